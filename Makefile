@@ -1,0 +1,52 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+MARIADB_URL ?= mysql://root@127.0.0.1:3306/taskplatform
+
+.PHONY: run test lint typecheck unit portable bench install install-test clean
+
+$(BIN)/python:
+	$(PYTHON) -c 'import sys; assert sys.version_info[:2] >= (3, 11), "Python 3.11+ is required"'
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed-local: $(BIN)/python requirements/base.txt requirements/local.txt platform/pyproject.toml
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements/local.txt
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-local requirements/test.txt
+	bin/system-deps
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements/test.txt
+	touch $@
+
+$(VENV)/.installed-bench: $(VENV)/.installed-test requirements/bench.txt
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements/bench.txt
+	touch $@
+
+install: $(VENV)/.installed-local
+install-test: $(VENV)/.installed-test
+
+## make run: venv, install, migrate, demo user, then web + worker + beat on the embedded profile
+run: $(VENV)/.installed-local
+	bin/run-embedded
+
+## make test: lint, types, the whole suite on PostgreSQL, then the portable ledger tests on SQLite and MariaDB
+test: $(VENV)/.installed-test lint typecheck
+	$(BIN)/pytest
+	DATABASE_URL=sqlite:///$(CURDIR)/var/test-portable.sqlite3 $(BIN)/pytest -m portable -p no:doctest tests/ledger
+	DATABASE_URL=$(MARIADB_URL) $(BIN)/pytest -m portable -p no:doctest tests/ledger
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(VENV)/.installed-test
+	$(BIN)/mypy
+
+## make bench: plain Celery vs django-celery-results vs celery-once vs IdempotentTask
+bench: $(VENV)/.installed-bench
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) var

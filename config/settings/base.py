@@ -1,0 +1,177 @@
+"""Settings shared by every profile. Everything deployment-specific comes from the environment.
+
+| variable | default | meaning |
+|---|---|---|
+| ``DATABASE_URL`` | embedded SQLite (WAL) in ``var/`` | e.g. ``postgres://user@host:5432/db`` |
+| ``CELERY_BROKER_URL`` | filesystem transport in ``var/`` | ``redis://host:6379/0``, ``amqp://u:p@host//`` |
+| ``DJANGO_SECRET_KEY`` | generated per checkout (local/test only) | required in production |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent.parent
+VAR_DIR = Path(os.environ.get("TASKPLATFORM_VAR_DIR", BASE_DIR / "var"))
+
+
+def env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+# --- Django ------------------------------------------------------------------------------------
+
+DEBUG = False
+ALLOWED_HOSTS = [h for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1").split(",") if h]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_celery_beat",
+    "taskplatform",
+    "tasks",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def database_from_env(default_sqlite: Path) -> dict[str, Any]:
+    """``DATABASE_URL`` if set, else the embedded SQLite database in WAL mode."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        config: dict[str, Any] = dict(dj_database_url.parse(url, conn_max_age=600, conn_health_checks=True))
+        engine = config["ENGINE"]
+        if engine.endswith("sqlite3"):
+            config["OPTIONS"] = sqlite_options()
+        elif engine.endswith("mysql"):
+            config.setdefault("OPTIONS", {}).setdefault("charset", "utf8mb4")
+        return config
+    default_sqlite.parent.mkdir(parents=True, exist_ok=True)
+    return {"ENGINE": "django.db.backends.sqlite3", "NAME": str(default_sqlite), "OPTIONS": sqlite_options()}
+
+
+def sqlite_options() -> dict[str, Any]:
+    """WAL so readers never block the writer; IMMEDIATE so writers queue instead of failing."""
+    return {
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 20,
+    }
+
+
+DATABASES = {"default": database_from_env(VAR_DIR / "db.sqlite3")}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+LOGGING: dict[str, Any] = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {"taskplatform": {"handlers": ["console"], "level": os.environ.get("TASKPLATFORM_LOG_LEVEL", "INFO")}},
+}
+
+# --- Celery (read by config/celery_app.py with namespace="CELERY") -----------------------------
+
+
+def broker_from_env() -> tuple[str, dict[str, Any]]:
+    """``CELERY_BROKER_URL`` if set, else kombu's filesystem transport under ``var/``."""
+    url = os.environ.get("CELERY_BROKER_URL")
+    if url:
+        options: dict[str, Any] = {}
+        if url.startswith(("redis", "rediss")):
+            options["visibility_timeout"] = env_int("CELERY_VISIBILITY_TIMEOUT", 3600)
+        return url, options
+    folder = VAR_DIR / "broker"
+    (folder / "processed").mkdir(parents=True, exist_ok=True)
+    return "filesystem://", {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "processed_folder": str(folder / "processed"),
+        "store_processed": False,
+    }
+
+
+CELERY_BROKER_URL, CELERY_BROKER_TRANSPORT_OPTIONS = broker_from_env()
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_RESULT_BACKEND = None  # the ledger is the record of outcomes
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
+# Without this, Celery's Django fix-up closes the DB connection before and after every task.
+CELERY_DB_REUSE_MAX = 1000
+CELERY_TIMEZONE = "UTC"
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_BEAT_SCHEDULE = {
+    "taskplatform-rescue": {
+        "task": "taskplatform.rescue",
+        "schedule": float(env_int("TASKPLATFORM_RESCUE_INTERVAL_SECONDS", 10)),
+        "options": {"expires": env_int("TASKPLATFORM_RESCUE_INTERVAL_SECONDS", 10)},
+    },
+}
+
+# --- taskplatform (see platform/src/taskplatform/conf.py for every key) ------------------------
+
+TASKPLATFORM_LEASE_SECONDS = env_int("TASKPLATFORM_LEASE_SECONDS", 60)
+TASKPLATFORM_RESCUE_INTERVAL_SECONDS = env_int("TASKPLATFORM_RESCUE_INTERVAL_SECONDS", 10)

@@ -1,0 +1,33 @@
+"""Test settings: real services on this machine (PostgreSQL, Redis) unless overridden.
+
+``DATABASE_URL`` selects the database the suite runs against (the ledger's portable tests
+also run on SQLite and MariaDB); ``CELERY_BROKER_URL`` the broker used by worker
+subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/taskplatform")
+os.environ.setdefault("CELERY_BROKER_URL", "redis://127.0.0.1:6379/14")
+
+from django.core.management.utils import get_random_secret_key
+
+from .base import *  # noqa: F403
+from .base import DATABASES, INSTALLED_APPS, VAR_DIR
+
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or get_random_secret_key()
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # A file, not :memory:, so that threads and worker subprocesses share the database.
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES["default"]["TEST"] = {"NAME": os.environ.get("TEST_SQLITE_NAME", str(VAR_DIR / "test.sqlite3"))}
+
+# Short leases so rescue paths are exercised in seconds; tests override per case.
+TASKPLATFORM_LEASE_SECONDS = int(os.environ.get("TASKPLATFORM_LEASE_SECONDS", "6"))
+TASKPLATFORM_REPUBLISH_AFTER_SECONDS = int(os.environ.get("TASKPLATFORM_REPUBLISH_AFTER_SECONDS", "300"))
+TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS = int(os.environ.get("TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS", "60"))
+CELERY_BEAT_SCHEDULE = {}

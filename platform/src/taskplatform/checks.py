@@ -1,0 +1,112 @@
+"""Django system checks: a bad configuration is refused at start-up, not found at 3 a.m."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Warning, register
+
+from .conf import platform_settings
+
+
+def _celery_conf() -> Any:
+    from celery import current_app
+
+    return current_app.conf
+
+
+@register("taskplatform")
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Settings values that make the guarantees impossible."""
+    errors: list[CheckMessage] = []
+    try:
+        conf = platform_settings()
+    except TypeError as exc:
+        return [Error(f"unknown TASKPLATFORM_* setting: {exc}", id="taskplatform.E001")]
+    for name in (
+        "max_args_bytes",
+        "max_result_bytes",
+        "lease_seconds",
+        "republish_after_seconds",
+        "rescue_batch_size",
+        "rescue_interval_seconds",
+    ):
+        value = getattr(conf, name)
+        if not isinstance(value, int) or value <= 0:
+            errors.append(
+                Error(
+                    f"TASKPLATFORM_{name.upper()} must be a positive integer, not {value!r}",
+                    id="taskplatform.E002",
+                )
+            )
+    if isinstance(conf.lease_seconds, int) and conf.lease_seconds < 3:
+        errors.append(
+            Error(
+                f"TASKPLATFORM_LEASE_SECONDS={conf.lease_seconds} is too short to renew reliably",
+                hint="Use 3 seconds or more (renewal happens every third of the lease).",
+                id="taskplatform.E003",
+            )
+        )
+    return errors
+
+
+@register("taskplatform")
+def check_celery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Celery options the platform depends on: JSON only, late acks, bounded countdowns."""
+    errors: list[CheckMessage] = []
+    conf = _celery_conf()
+    accept = set(conf.accept_content or [])
+    if "pickle" in accept or "application/x-python-serialize" in accept:
+        errors.append(
+            Error(
+                "Celery accept_content includes pickle",
+                hint="Set CELERY_ACCEPT_CONTENT = ['json']: pickle lets a broker message run code.",
+                id="taskplatform.E010",
+            )
+        )
+    for name in ("task_serializer", "result_serializer"):
+        if conf.get(name) == "pickle":
+            errors.append(Error(f"Celery {name} is pickle; use json", id="taskplatform.E011"))
+    if not conf.task_acks_late:
+        errors.append(
+            Warning(
+                "CELERY_TASK_ACKS_LATE is off",
+                hint="IdempotentTask sets acks_late itself; other tasks lose work when a worker dies.",
+                id="taskplatform.W012",
+            )
+        )
+    transport = str(conf.broker_url or "").split(":", 1)[0]
+    if transport.startswith("redis") or transport.startswith("rediss"):
+        options = conf.broker_transport_options or {}
+        visibility = float(options.get("visibility_timeout", 3600))
+        bound = platform_settings().max_broker_countdown_seconds
+        if bound * 2 > visibility:
+            errors.append(
+                Error(
+                    f"TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS={bound} is not below half the Redis "
+                    f"visibility_timeout ({visibility:g} s)",
+                    hint="Countdowns longer than the visibility timeout are re-delivered (kombu#337): "
+                    "lower the countdown bound or raise broker_transport_options['visibility_timeout'].",
+                    id="taskplatform.E013",
+                )
+            )
+        lease = platform_settings().lease_seconds
+        if lease * 2 > visibility:
+            errors.append(
+                Warning(
+                    f"TASKPLATFORM_LEASE_SECONDS={lease} is above half the Redis visibility_timeout",
+                    hint="Crashed work is rescued after the lease; keep it well below the visibility timeout.",
+                    id="taskplatform.W014",
+                )
+            )
+    if not getattr(settings, "CELERY_DB_REUSE_MAX", None) and not conf.get("db_reuse_max"):
+        errors.append(
+            Warning(
+                "CELERY_DB_REUSE_MAX is not set",
+                hint="Celery's Django fix-up then closes the database connection around every task "
+                "(a new connection per task). Set it, e.g. CELERY_DB_REUSE_MAX = 1000.",
+                id="taskplatform.W015",
+            )
+        )
+    return errors

@@ -1,0 +1,68 @@
+"""The platform's settings: one typed object over the ``TASKPLATFORM_*`` Django settings.
+
+Every key is documented once, here, with its unit and default; ``docs/reference/settings.md``
+and the README's configuration table repeat this table. Code reads ``platform_settings()``,
+never ``getattr(settings, ...)`` ad hoc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import Any
+
+from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+PREFIX = "TASKPLATFORM_"
+
+
+@dataclass(frozen=True)
+class PlatformSettings:
+    """Resolved platform settings. Field ``x`` is read from the Django setting ``TASKPLATFORM_X``."""
+
+    #: Largest accepted size of a submission's JSON-encoded args + kwargs, in bytes.
+    max_args_bytes: int = 64 * 1024
+    #: Largest task result stored in the ledger, in bytes; larger results are not stored.
+    max_result_bytes: int = 64 * 1024
+    #: Longest accepted idempotency key, in characters (the column holds 255).
+    max_key_length: int = 255
+    #: Default lease a worker holds on a running execution, in seconds; renewed every third.
+    lease_seconds: int = 60
+    #: Delays up to this many seconds ride on the broker as a countdown; longer ones are
+    #: parked in the ledger and published by the rescuer when due. Keep it well below the
+    #: Redis transport's ``visibility_timeout`` (kombu#337).
+    max_broker_countdown_seconds: int = 60
+    #: A ``PENDING``/``RETRYING`` row not claimed this long after its publication is
+    #: published again (then after twice as long, and so on).
+    republish_after_seconds: int = 300
+    #: Upper bound of the doubling republish interval, in seconds.
+    republish_max_seconds: int = 3600
+    #: How many rows the rescuer handles per pass and per category.
+    rescue_batch_size: int = 500
+    #: How often the rescuer runs (beat entry ``taskplatform-rescue``), in seconds.
+    rescue_interval_seconds: int = 10
+    #: Queue the rescuer task is published to when beat drives it (empty: Celery's default).
+    rescue_queue: str = ""
+
+
+_FIELD_NAMES = {f.name for f in fields(PlatformSettings)}
+
+
+@cache
+def platform_settings() -> PlatformSettings:
+    """The resolved settings, cached until a ``TASKPLATFORM_*`` setting changes."""
+    values: dict[str, Any] = {}
+    for name in _FIELD_NAMES:
+        key = PREFIX + name.upper()
+        if hasattr(settings, key):
+            values[name] = getattr(settings, key)
+    return PlatformSettings(**values)
+
+
+@receiver(setting_changed)
+def _reset(setting: str, **kwargs: Any) -> None:
+    """``override_settings`` in tests must see fresh values."""
+    if setting.startswith(PREFIX):
+        platform_settings.cache_clear()

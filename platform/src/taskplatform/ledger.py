@@ -1,0 +1,594 @@
+"""The ledger service: the only code that writes executions and their events.
+
+Every state change is a compare-and-set ``UPDATE … WHERE pk = … AND state = … AND
+fencing_token = …`` whose row count is checked, so the protocol needs nothing beyond what
+PostgreSQL, MariaDB and SQLite all provide (no ``SELECT … FOR UPDATE``, no ``RETURNING``).
+Each change and its ``ExecutionEvent`` commit in one transaction. Every claim increments
+the fencing token and every write-back checks it, so a worker that lost its lease can
+never overwrite a newer attempt.
+
+Publishing is never done inside a transaction: functions that make a row publishable
+register the publication with ``transaction.on_commit`` (see ``publisher``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from .conf import platform_settings
+from .exceptions import ExecutionNotFound, IllegalTransitionError, LedgerError, StaleExecutionError
+from .models import EventKind, Execution, ExecutionEvent, JobDefinition, Trigger
+from .states import CLAIMABLE_STATES, TERMINAL_STATES, Actor, State, find_transition
+
+log = logging.getLogger("taskplatform.ledger")
+
+ClaimOutcome = Literal["claimed", "duplicate", "finished", "exhausted"]
+
+
+@dataclass
+class Claim:
+    """The result of a claim attempt. ``execution`` reflects the row after the claim."""
+
+    outcome: ClaimOutcome
+    execution: Execution
+
+    @property
+    def token(self) -> int:
+        return self.execution.fencing_token
+
+
+def _event(
+    execution: Execution,
+    kind: str,
+    *,
+    from_state: str = "",
+    to_state: str = "",
+    actor: str = "",
+    reason: str = "",
+    data: dict[str, Any] | None = None,
+    at: datetime | None = None,
+) -> ExecutionEvent:
+    return ExecutionEvent.objects.create(
+        execution_id=execution.pk,
+        at=at or timezone.now(),
+        kind=kind,
+        from_state=from_state,
+        to_state=to_state,
+        attempt=execution.attempts,
+        fencing_token=execution.fencing_token,
+        actor=actor[:255],
+        reason=reason,
+        data=data or {},
+    )
+
+
+def _cas(execution: Execution, expect_state: str, expect_token: int, **changes: Any) -> bool:
+    """Apply ``changes`` if the row still has the expected state and token; report success."""
+    changes.setdefault("updated_at", timezone.now())
+    rows = Execution.objects.filter(pk=execution.pk, state=expect_state, fencing_token=expect_token).update(**changes)
+    return rows == 1
+
+
+def republish_interval(publish_count: int) -> timedelta:
+    """How long after its ``publish_count``-th publication an unclaimed row is published again."""
+    conf = platform_settings()
+    seconds = conf.republish_after_seconds * (2 ** max(0, publish_count - 1))
+    return timedelta(seconds=min(seconds, conf.republish_max_seconds))
+
+
+# --- loading and creating ----------------------------------------------------------------
+
+
+def get(execution_id: int) -> Execution:
+    """The execution with its job definition, or ``ExecutionNotFound``."""
+    try:
+        return Execution.objects.select_related("job").get(pk=execution_id)
+    except Execution.DoesNotExist:
+        raise ExecutionNotFound(f"no execution with id {execution_id}", execution_id=execution_id) from None
+
+
+@dataclass(frozen=True)
+class NewExecution:
+    """What ``create`` records for a new execution."""
+
+    idempotency_key: str
+    task_name: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    trigger: str = Trigger.API
+    job: JobDefinition | None = None
+    queue: str = ""
+    priority: int | None = None
+    scheduled_for: datetime | None = None
+    due_at: datetime | None = None
+    celery_task_id: str = ""
+    publish_count: int = 0
+
+    def build(self) -> Execution:
+        return Execution(
+            idempotency_key=self.idempotency_key,
+            task_name=self.task_name,
+            args=self.args,
+            kwargs=self.kwargs,
+            trigger=self.trigger,
+            job=self.job,
+            queue=self.queue,
+            priority=self.priority,
+            scheduled_for=self.scheduled_for,
+            due_at=self.due_at,
+            celery_task_id=self.celery_task_id,
+            publish_count=self.publish_count,
+            state=State.PENDING,
+        )
+
+
+def create(spec: NewExecution) -> tuple[Execution, bool]:
+    """Insert the execution, or return the one that already holds the key.
+
+    Runs in the caller's transaction (a savepoint isolates the unique-key conflict), so a
+    view's own writes and the ledger row commit together.
+    """
+    execution = spec.build()
+    try:
+        with transaction.atomic():
+            execution.save(force_insert=True)
+        return execution, True
+    except IntegrityError:
+        existing = Execution.objects.select_related("job").filter(idempotency_key=spec.idempotency_key).first()
+        if existing is None:
+            raise
+        return existing, False
+
+
+def ensure(spec: NewExecution) -> Execution:
+    """The execution for ``spec.idempotency_key``, inserted first if missing.
+
+    Used for tasks called the plain Celery way, whose row is created by the worker that
+    receives the message. ``INSERT … ON CONFLICT DO NOTHING`` makes concurrent deliveries
+    converge on one row without an error path.
+    """
+    found = Execution.objects.select_related("job").filter(idempotency_key=spec.idempotency_key).first()
+    if found is not None:
+        return found
+    Execution.objects.bulk_create([spec.build()], ignore_conflicts=True)
+    return Execution.objects.select_related("job").get(idempotency_key=spec.idempotency_key)
+
+
+# --- the worker's side: claim, heartbeat, outcome ---------------------------------------------
+
+
+def claim(
+    execution: Execution,
+    *,
+    worker: str,
+    celery_task_id: str,
+    lease_seconds: int,
+    max_attempts: int,
+    owner_alive: Callable[[str], bool | None] = lambda worker: None,
+) -> Claim:
+    """Try to become the one running attempt of ``execution``.
+
+    Outcomes: ``claimed`` (run the body), ``duplicate`` (another live attempt owns it),
+    ``finished`` (terminal already: do not run), ``exhausted`` (no attempts left: the
+    execution was dead-lettered now). ``owner_alive(worker)`` may say that the current
+    owner is known dead (``False``) so its attempt can be taken over before its lease runs
+    out, e.g. a pool child killed on this very node.
+    """
+    for _ in range(5):
+        now = timezone.now()
+        state = execution.state
+        if state in TERMINAL_STATES:
+            _event(
+                execution,
+                EventKind.ALREADY_FINISHED,
+                from_state=state,
+                to_state=state,
+                actor=worker,
+                data={"celery_task_id": celery_task_id},
+            )
+            return Claim("finished", execution)
+        takeover = False
+        if state == State.RUNNING:
+            lease_live = execution.lease_expires_at is not None and execution.lease_expires_at > now
+            if lease_live and owner_alive(execution.worker) is not False:
+                _event(
+                    execution,
+                    EventKind.DUPLICATE_DELIVERY,
+                    from_state=state,
+                    to_state=state,
+                    actor=worker,
+                    data={"celery_task_id": celery_task_id, "owner": execution.worker},
+                )
+                return Claim("duplicate", execution)
+            takeover = True
+        elif state not in CLAIMABLE_STATES:  # pragma: no cover - the table has no other states
+            raise LedgerError(f"execution {execution.pk} is in unknown state {state!r}")
+
+        previous_owner = execution.worker
+        if execution.attempts >= max_attempts:
+            reason = f"attempts exhausted: {execution.attempts} of {max_attempts} made"
+            if takeover:
+                reason += f"; the last attempt's worker {previous_owner} was lost"
+            if _dead_letter(execution, actor=worker, actor_kind=Actor.WORKER, error=reason, traceback=""):
+                return Claim("exhausted", execution)
+            execution = get(execution.pk)
+            continue
+
+        find_transition(state, State.RUNNING, Actor.WORKER)
+        token = execution.fencing_token
+        lease_until = now + timedelta(seconds=lease_seconds)
+        with transaction.atomic():
+            ok = _cas(
+                execution,
+                state,
+                token,
+                state=State.RUNNING,
+                attempts=execution.attempts + 1,
+                fencing_token=token + 1,
+                lease_expires_at=lease_until,
+                worker=worker[:255],
+                celery_task_id=celery_task_id[:255],
+                started_at=now,
+                due_at=None,
+                updated_at=now,
+            )
+            if ok:
+                execution.state = State.RUNNING
+                execution.attempts += 1
+                execution.fencing_token = token + 1
+                execution.lease_expires_at = lease_until
+                execution.worker = worker
+                execution.celery_task_id = celery_task_id
+                execution.started_at = now
+                execution.due_at = None
+                data: dict[str, Any] = {"celery_task_id": celery_task_id, "lease_seconds": lease_seconds}
+                if takeover:
+                    data["previous_owner"] = previous_owner
+                _event(
+                    execution,
+                    EventKind.TAKEN_OVER if takeover else EventKind.CLAIMED,
+                    from_state=state,
+                    to_state=State.RUNNING,
+                    actor=worker,
+                    data=data,
+                    at=now,
+                )
+        if ok:
+            return Claim("claimed", execution)
+        execution = get(execution.pk)  # somebody else moved it: decide again on fresh data
+    raise LedgerError(f"execution {execution.pk}: claim did not settle after 5 tries")
+
+
+def renew_lease(execution_id: int, token: int, lease_seconds: int) -> bool:
+    """Extend the lease of the attempt holding ``token``; False if that attempt lost it."""
+    now = timezone.now()
+    rows = Execution.objects.filter(pk=execution_id, state=State.RUNNING, fencing_token=token).update(
+        lease_expires_at=now + timedelta(seconds=lease_seconds), updated_at=now
+    )
+    return rows == 1
+
+
+def record_lease_lost(execution_id: int, token: int, worker: str) -> None:
+    """Note in the history that an attempt's lease renewal was refused."""
+    execution = Execution.objects.filter(pk=execution_id).first()
+    if execution is None:
+        return
+    _event(
+        execution,
+        EventKind.LEASE_LOST,
+        from_state=execution.state,
+        to_state=execution.state,
+        actor=worker,
+        data={"attempt_token": token},
+    )
+
+
+def succeed(execution: Execution, token: int, result: Any, *, worker: str, data: dict[str, Any]) -> None:
+    """Mark the attempt holding ``token`` succeeded, or raise ``StaleExecutionError``.
+
+    Called inside the body's transaction in atomic mode, so the body's writes and this
+    mark commit together or not at all.
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        if not _cas(
+            execution,
+            State.RUNNING,
+            token,
+            state=State.SUCCEEDED,
+            result=result,
+            finished_at=now,
+            lease_expires_at=None,
+            updated_at=now,
+        ):
+            raise StaleExecutionError(
+                f"execution {execution.pk}: success of attempt with fencing token {token} refused "
+                f"(the execution was re-claimed, rescued or cancelled meanwhile)",
+                execution_id=execution.pk,
+                token=token,
+            )
+        execution.state = State.SUCCEEDED
+        execution.result = result
+        execution.finished_at = now
+        execution.lease_expires_at = None
+        _event(
+            execution,
+            EventKind.SUCCEEDED,
+            from_state=State.RUNNING,
+            to_state=State.SUCCEEDED,
+            actor=worker,
+            data=data,
+            at=now,
+        )
+
+
+def record_stale_write(execution_id: int, token: int, *, worker: str, what: str) -> None:
+    """Audit a refused write-back from an attempt that no longer owns the execution."""
+    execution = Execution.objects.filter(pk=execution_id).first()
+    if execution is None:
+        return
+    _event(
+        execution,
+        EventKind.STALE_WRITE_REJECTED,
+        from_state=execution.state,
+        to_state=execution.state,
+        actor=worker,
+        data={"attempt_token": token, "write": what},
+    )
+
+
+def schedule_retry(
+    execution: Execution,
+    token: int,
+    *,
+    delay_seconds: float,
+    error: str,
+    traceback: str,
+    worker: str,
+    actor_kind: Actor = Actor.WORKER,
+    reason: str = "",
+) -> bool:
+    """Move the attempt holding ``token`` to ``RETRYING`` and arrange the next attempt.
+
+    Delays up to ``max_broker_countdown_seconds`` are published at once with a countdown
+    (after commit); longer ones are parked in the ledger and published by the rescuer when
+    due, because the Redis transport re-delivers long countdowns after its visibility
+    timeout (kombu#337). Returns False (and changes nothing) if ``token`` is stale.
+    """
+    from .publisher import new_task_id, publish_on_commit
+
+    conf = platform_settings()
+    now = timezone.now()
+    eta = now + timedelta(seconds=delay_seconds)
+    on_broker = delay_seconds <= conf.max_broker_countdown_seconds
+    task_id = new_task_id() if on_broker else ""
+    publish_count = 1 if on_broker else 0
+    due_at = eta + republish_interval(1) if on_broker else eta
+    find_transition(State.RUNNING, State.RETRYING, actor_kind)
+    with transaction.atomic():
+        changes: dict[str, Any] = {
+            "state": State.RETRYING,
+            "scheduled_for": eta,
+            "due_at": due_at,
+            "publish_count": publish_count,
+            "lease_expires_at": None,
+            "last_error": error,
+            "last_traceback": traceback,
+            "updated_at": now,
+        }
+        if task_id:
+            changes["celery_task_id"] = task_id
+        if not _cas(execution, State.RUNNING, token, **changes):
+            return False
+        for name, value in changes.items():
+            setattr(execution, name, value)
+        _event(
+            execution,
+            EventKind.RESCUED if actor_kind == Actor.RESCUER else EventKind.RETRY_SCHEDULED,
+            from_state=State.RUNNING,
+            to_state=State.RETRYING,
+            actor=worker,
+            reason=reason,
+            data={
+                "delay_seconds": delay_seconds,
+                "due": eta.isoformat(),
+                "parked_in_ledger": not on_broker,
+                "error": error[:1000],
+            },
+            at=now,
+        )
+        if on_broker:
+            publish_on_commit(execution, task_id=task_id, countdown=delay_seconds)
+    return True
+
+
+def dead_letter(execution: Execution, token: int, *, error: str, traceback: str, worker: str) -> bool:
+    """Move the attempt holding ``token`` to the dead-letter state ``FAILED``."""
+    if execution.fencing_token != token:
+        return False
+    return _dead_letter(execution, actor=worker, actor_kind=Actor.WORKER, error=error, traceback=traceback)
+
+
+def _dead_letter(execution: Execution, *, actor: str, actor_kind: Actor, error: str, traceback: str) -> bool:
+    source = execution.state
+    find_transition(source, State.FAILED, actor_kind)
+    now = timezone.now()
+    with transaction.atomic():
+        if not _cas(
+            execution,
+            source,
+            execution.fencing_token,
+            state=State.FAILED,
+            finished_at=now,
+            lease_expires_at=None,
+            due_at=None,
+            last_error=error,
+            last_traceback=traceback,
+            updated_at=now,
+        ):
+            return False
+        execution.state = State.FAILED
+        execution.finished_at = now
+        execution.last_error = error
+        execution.last_traceback = traceback
+        _event(
+            execution,
+            EventKind.DEAD_LETTERED,
+            from_state=source,
+            to_state=State.FAILED,
+            actor=actor,
+            data={"error": error[:1000]},
+            at=now,
+        )
+    log.warning(
+        "execution dead-lettered",
+        extra={"execution_id": execution.pk, "idempotency_key": execution.idempotency_key, "error": error},
+    )
+    return True
+
+
+# --- the rescuer's side ------------------------------------------------------------------------
+
+
+def rescue_expired(execution: Execution, *, max_attempts: int, now: datetime) -> str:
+    """Handle a ``RUNNING`` row whose lease expired: re-queue it, or dead-letter it.
+
+    Returns ``"rescued"``, ``"dead_lettered"`` or ``"skipped"`` (the row moved meanwhile).
+    """
+    if execution.state != State.RUNNING or (
+        execution.lease_expires_at is not None and execution.lease_expires_at > now
+    ):
+        return "skipped"
+    owner = execution.worker
+    if execution.attempts >= max_attempts:
+        error = (
+            f"lease expired during attempt {execution.attempts} (worker {owner} lost or stalled); "
+            f"attempts exhausted: {execution.attempts} of {max_attempts}"
+        )
+        done = _dead_letter(execution, actor="rescuer", actor_kind=Actor.RESCUER, error=error, traceback="")
+        return "dead_lettered" if done else "skipped"
+    done = schedule_retry(
+        execution,
+        execution.fencing_token,
+        delay_seconds=0,
+        error=execution.last_error,
+        traceback=execution.last_traceback,
+        worker="rescuer",
+        actor_kind=Actor.RESCUER,
+        reason=f"lease expired during attempt {execution.attempts} (worker {owner} lost or stalled)",
+    )
+    return "rescued" if done else "skipped"
+
+
+def republish_due(execution: Execution, *, now: datetime) -> bool:
+    """Publish a ``PENDING``/``RETRYING`` row whose ``due_at`` passed without a claim."""
+    from .publisher import new_task_id, publish_on_commit
+
+    if execution.state not in CLAIMABLE_STATES:
+        return False
+    count = execution.publish_count + 1
+    task_id = new_task_id()
+    due_at = now + republish_interval(count)
+    with transaction.atomic():
+        rows = Execution.objects.filter(
+            pk=execution.pk,
+            state=execution.state,
+            fencing_token=execution.fencing_token,
+            publish_count=execution.publish_count,
+        ).update(publish_count=count, celery_task_id=task_id, due_at=due_at, updated_at=now)
+        if rows != 1:
+            return False
+        first = execution.publish_count == 0
+        execution.publish_count = count
+        execution.celery_task_id = task_id
+        execution.due_at = due_at
+        _event(
+            execution,
+            EventKind.REPUBLISHED,
+            from_state=execution.state,
+            to_state=execution.state,
+            actor="rescuer",
+            reason="due" if first else f"not claimed since publication {count - 1}",
+            data={"publication": count, "celery_task_id": task_id, "next_check": due_at.isoformat()},
+            at=now,
+        )
+        publish_on_commit(execution, task_id=task_id, countdown=None)
+    return True
+
+
+# --- operators -----------------------------------------------------------------------------------
+
+
+def operator_transition(
+    execution_id: int,
+    target: str,
+    *,
+    user: str,
+    reason: str,
+    expected_state: str | None = None,
+) -> Execution:
+    """Apply an operator's state change along a legal edge, audited with who and why.
+
+    ``expected_state`` is the state the operator saw; if the row moved since, nothing
+    changes (so the same form submitted twice acts once).
+    """
+    from .publisher import new_task_id, publish_on_commit
+
+    if not reason or not reason.strip():
+        raise LedgerError("a reason is required for an operator action")
+    execution = get(execution_id)
+    source = execution.state
+    if expected_state is not None and expected_state != source:
+        raise IllegalTransitionError(
+            f"execution {execution_id} is {source} now, not {expected_state}: nothing changed",
+            source=source,
+            target=target,
+        )
+    transition = find_transition(source, target, Actor.OPERATOR)
+    now = timezone.now()
+    changes: dict[str, Any] = {"state": target, "updated_at": now}
+    task_id = ""
+    if target == State.PENDING:
+        task_id = new_task_id()
+        changes.update(
+            attempts=0,  # a fresh attempt budget; the history keeps the earlier attempts
+            scheduled_for=None,
+            due_at=now + republish_interval(1),
+            publish_count=1,
+            celery_task_id=task_id,
+            finished_at=None,
+            lease_expires_at=None,
+        )
+    else:
+        changes.update(finished_at=now, lease_expires_at=None, due_at=None)
+        if target == State.FAILED:
+            changes["last_error"] = f"marked failed by {user}: {reason}"
+    with transaction.atomic():
+        if not _cas(execution, source, execution.fencing_token, **changes):
+            raise IllegalTransitionError(
+                f"execution {execution_id} changed while the action was applied: nothing changed",
+                source=source,
+                target=target,
+            )
+        for name, value in changes.items():
+            setattr(execution, name, value)
+        _event(
+            execution,
+            EventKind.OPERATOR,
+            from_state=source,
+            to_state=target,
+            actor=user,
+            reason=reason,
+            data={"action": transition.name},
+            at=now,
+        )
+        if task_id:
+            publish_on_commit(execution, task_id=task_id, countdown=None)
+    return execution

@@ -1,0 +1,233 @@
+"""Job definitions and the execution ledger.
+
+Rows of ``Execution`` and ``ExecutionEvent`` are written only by ``taskplatform.ledger``;
+everything else (tasks, the rescuer, the admin, views) goes through it. The models here hold
+data and validation, not behaviour that changes state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+
+from .exceptions import ConfigurationError, SubmissionError
+from .states import State
+
+
+class Trigger(models.TextChoices):
+    """What created an execution."""
+
+    API = "api", "submit() from code"
+    VIEW = "view", "a view (HTTP request)"
+    BEAT = "beat", "the beat scheduler"
+    ADMIN = "admin", "an operator in the admin"
+    CELERY = "celery", "a plain Celery call (delay / apply_async)"
+
+
+class EventKind(models.TextChoices):
+    """What an ``ExecutionEvent`` records."""
+
+    CLAIMED = "claimed", "claimed by a worker"
+    TAKEN_OVER = "taken_over", "claimed from a dead or expired owner"
+    SUCCEEDED = "succeeded", "attempt succeeded"
+    RETRY_SCHEDULED = "retry_scheduled", "attempt failed, retry scheduled"
+    DEAD_LETTERED = "dead_lettered", "moved to the dead-letter state"
+    DUPLICATE_DELIVERY = "duplicate_delivery", "duplicate delivery absorbed"
+    ALREADY_FINISHED = "already_finished", "delivery for a finished execution absorbed"
+    STALE_WRITE_REJECTED = "stale_write_rejected", "write-back with an old fencing token refused"
+    LEASE_LOST = "lease_lost", "lease renewal refused"
+    RESCUED = "rescued", "lease expired; re-queued by the rescuer"
+    REPUBLISHED = "republished", "published by the rescuer"
+    OPERATOR = "operator", "operator action"
+
+
+class JobDefinition(models.Model):
+    """A named, configurable job: which task, with what arguments, under which policies.
+
+    Fields left empty fall back to the task class's own Celery options, so a job only
+    states what differs. Policies are read when an attempt runs, so an edit applies to the
+    next attempt without a restart.
+    """
+
+    slug = models.SlugField(max_length=100, unique=True, help_text="Stable identifier, used in slot keys.")
+    task = models.CharField(max_length=200, help_text="Registered Celery task name (an IdempotentTask).")
+    description = models.TextField(blank=True)
+    args = models.JSONField(default=list, blank=True, help_text="Default positional arguments (JSON list).")
+    kwargs = models.JSONField(default=dict, blank=True, help_text="Default keyword arguments (JSON object).")
+    queue = models.CharField(max_length=100, blank=True, help_text="Queue to publish to; empty: routing decides.")
+    priority = models.PositiveSmallIntegerField(
+        null=True, blank=True, validators=[MaxValueValidator(9)], help_text="Broker priority 0 to 9."
+    )
+    max_attempts = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(100)],
+        help_text="Attempts in all, the first included. Empty: the task's max_retries + 1.",
+    )
+    backoff_base_seconds = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MaxValueValidator(86_400)],
+        help_text="Exponential backoff factor in seconds (0: fixed delay). Empty: the task's retry_backoff.",
+    )
+    backoff_max_seconds = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MaxValueValidator(7 * 86_400)],
+        help_text="Cap of the backoff delay in seconds. Empty: the task's retry_backoff_max.",
+    )
+    jitter = models.BooleanField(
+        null=True, blank=True, help_text="Full jitter on the backoff delay. Empty: the task's retry_jitter."
+    )
+    retry_on = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Dotted paths of retryable error classes. Empty: the task's autoretry_for.",
+    )
+    fatal_errors = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Dotted paths of error classes that fail at once. Added to the task's dont_autoretry_for.",
+    )
+    soft_time_limit_seconds = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Celery soft time limit."
+    )
+    time_limit_seconds = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Celery hard time limit."
+    )
+    lease_seconds = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(3), MaxValueValidator(86_400)],
+        help_text="Lease a worker holds while running (renewed every third). Empty: the platform default.",
+    )
+    enabled = models.BooleanField(default=True, help_text="Paused jobs are not triggered by the schedule.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+    def clean(self) -> None:
+        """Refuse a definition that could not run: unknown task, bad JSON, bad classes, bad limits."""
+        from .retry import resolve_error_classes
+        from .validation import encode_arguments, resolve_task
+
+        errors: dict[str, Any] = {}
+        try:
+            resolve_task(self.task)
+        except SubmissionError as exc:
+            errors["task"] = str(exc)
+        try:
+            encode_arguments(self.args, self.kwargs)
+        except SubmissionError as exc:
+            errors["args"] = str(exc)
+        for field in ("retry_on", "fatal_errors"):
+            value = getattr(self, field)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                errors[field] = "a JSON list of dotted exception class paths"
+                continue
+            try:
+                resolve_error_classes(value)
+            except ConfigurationError as exc:
+                errors[field] = str(exc)
+        if (
+            self.soft_time_limit_seconds
+            and self.time_limit_seconds
+            and self.soft_time_limit_seconds >= self.time_limit_seconds
+        ):
+            errors["soft_time_limit_seconds"] = "the soft time limit must be below the hard time limit"
+        if (
+            self.backoff_base_seconds is not None
+            and self.backoff_max_seconds is not None
+            and self.backoff_max_seconds < self.backoff_base_seconds
+        ):
+            errors["backoff_max_seconds"] = "the backoff cap must not be below the backoff base"
+        if errors:
+            raise ValidationError(errors)
+
+
+class Execution(models.Model):
+    """One logical execution, keyed by its idempotency key: the system of record.
+
+    The broker only carries a pointer to this row; the worker claims it by compare-and-set
+    and every claim increments ``fencing_token``.
+    """
+
+    idempotency_key = models.CharField(max_length=255, unique=True)
+    job = models.ForeignKey(JobDefinition, null=True, blank=True, on_delete=models.SET_NULL, related_name="executions")
+    task_name = models.CharField(max_length=200)
+    args = models.JSONField(default=list, blank=True)
+    kwargs = models.JSONField(default=dict, blank=True)
+    queue = models.CharField(max_length=100, blank=True)
+    priority = models.PositiveSmallIntegerField(null=True, blank=True)
+    trigger = models.CharField(max_length=16, choices=Trigger.choices, default=Trigger.API)
+
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    attempts = models.PositiveIntegerField(default=0, help_text="Attempts claimed so far.")
+    fencing_token = models.BigIntegerField(default=0, help_text="Incremented on every claim.")
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    worker = models.CharField(max_length=255, blank=True, help_text="node:pid of the current or last owner.")
+    celery_task_id = models.CharField(max_length=255, blank=True, help_text="Id of the latest message.")
+
+    scheduled_for = models.DateTimeField(null=True, blank=True, help_text="Requested run time (eta).")
+    due_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the rescuer next publishes this row if no worker claimed it."
+    )
+    publish_count = models.PositiveIntegerField(default=0)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    result = models.JSONField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    last_traceback = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            models.Index(fields=["state", "due_at"], name="tp_exec_state_due"),
+            models.Index(fields=["state", "lease_expires_at"], name="tp_exec_state_lease"),
+            models.Index(fields=["created_at"], name="tp_exec_created"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.idempotency_key}] {self.state}"
+
+    @property
+    def is_terminal(self) -> bool:
+        from .states import TERMINAL_STATES
+
+        return self.state in TERMINAL_STATES
+
+
+class ExecutionEvent(models.Model):
+    """Append-only history of an execution: attempts, retries, rescues, operator actions.
+
+    It is both the per-attempt record and the audit log; rows are never updated.
+    """
+
+    execution = models.ForeignKey(Execution, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField()
+    kind = models.CharField(max_length=32, choices=EventKind.choices)
+    from_state = models.CharField(max_length=16, blank=True)
+    to_state = models.CharField(max_length=16, blank=True)
+    attempt = models.PositiveIntegerField(default=0)
+    fencing_token = models.BigIntegerField(default=0)
+    actor = models.CharField(max_length=255, blank=True, help_text="worker node:pid, 'rescuer' or user.")
+    reason = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} #{self.attempt} {self.from_state}→{self.to_state}"

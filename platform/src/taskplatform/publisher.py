@@ -1,0 +1,79 @@
+"""Publishing ledger rows to the broker: the outbox's second half.
+
+A row is always committed before its message is published (``publish_on_commit``), so a
+crash in between leaves a row the rescuer re-publishes, never a message without a row.
+A failed publication is logged and left to the rescuer: the caller's request succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+
+if TYPE_CHECKING:
+    from .models import Execution
+
+log = logging.getLogger("taskplatform.publisher")
+
+#: Message headers that point a worker at its ledger row.
+HEADER_EXECUTION = "tp_execution"
+HEADER_KEY = "tp_key"
+
+
+def new_task_id() -> str:
+    """A fresh Celery task id for one publication."""
+    return str(uuid.uuid4())
+
+
+def message_options(execution: Execution, *, task_id: str, countdown: float | None) -> dict[str, Any]:
+    """``send_task`` options for one publication of ``execution``."""
+    options: dict[str, Any] = {
+        "task_id": task_id,
+        "headers": {HEADER_EXECUTION: execution.pk, HEADER_KEY: execution.idempotency_key},
+    }
+    if execution.queue:
+        options["queue"] = execution.queue
+    if execution.priority is not None:
+        options["priority"] = execution.priority
+    if countdown:
+        options["countdown"] = countdown
+    job = execution.job
+    if job is not None:
+        if job.soft_time_limit_seconds:
+            options["soft_time_limit"] = job.soft_time_limit_seconds
+        if job.time_limit_seconds:
+            options["time_limit"] = job.time_limit_seconds
+    return options
+
+
+def publish(execution: Execution, *, task_id: str, countdown: float | None = None) -> bool:
+    """Send the message for ``execution`` now; False (logged) if the broker refused it."""
+    from celery import current_app
+
+    try:
+        current_app.send_task(
+            execution.task_name,
+            args=execution.args,
+            kwargs=execution.kwargs,
+            **message_options(execution, task_id=task_id, countdown=countdown),
+        )
+    except Exception:  # the row is safe in the ledger; the rescuer publishes it again
+        log.warning(
+            "publication failed; the rescuer will publish it again",
+            exc_info=True,
+            extra={
+                "execution_id": execution.pk,
+                "idempotency_key": execution.idempotency_key,
+                "celery_task_id": task_id,
+            },
+        )
+        return False
+    return True
+
+
+def publish_on_commit(execution: Execution, *, task_id: str, countdown: float | None) -> None:
+    """Publish once the current transaction commits (at once outside a transaction)."""
+    transaction.on_commit(lambda: publish(execution, task_id=task_id, countdown=countdown), robust=True)

@@ -1,0 +1,1 @@
+"""The reference deployment's business jobs and views, written against taskplatform's public API."""

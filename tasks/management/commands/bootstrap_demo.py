@@ -1,0 +1,39 @@
+"""Create the demo superuser (random password, printed) and the demo job definitions."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand
+
+from taskplatform.models import JobDefinition
+
+
+class Command(BaseCommand):
+    help = "Create the demo superuser and job definitions for the embedded profile."
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        credentials = settings.VAR_DIR / "demo-credentials.txt"
+        user_model = get_user_model()
+        if not user_model.objects.filter(username="admin").exists():
+            password = secrets.token_urlsafe(12)
+            user_model.objects.create_superuser("admin", "admin@example.invalid", password)
+            credentials.write_text(f"username: admin\npassword: {password}\n")
+            credentials.chmod(0o600)
+        JobDefinition.objects.get_or_create(
+            slug="demo-ping",
+            defaults={"task": "tasks.ping", "args": ["admin"], "description": "Demo: a job that always works."},
+        )
+        JobDefinition.objects.get_or_create(
+            slug="demo-flaky-sync",
+            defaults={
+                "task": "tasks.flaky_sync",
+                "kwargs": {"failure_rate": 0.7},
+                "max_attempts": 3,
+                "description": "Demo: fails 70 % of the time; retries with backoff, then dead-letters.",
+            },
+        )
+        self.stdout.write(credentials.read_text() if credentials.exists() else "admin user exists\n")

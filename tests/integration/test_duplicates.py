@@ -1,0 +1,79 @@
+"""G2: one idempotency key, one body run — against a real worker pool on a real broker."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connection
+
+from taskplatform import submit
+from taskplatform.models import Execution
+from taskplatform.publisher import publish
+from tests.helpers import event_kinds, state_of
+from tests.testapp.models import Effect, EffectRaw
+from tests.testapp.tasks import effect
+
+pytestmark = [pytest.mark.worker]
+
+
+def test_the_same_message_delivered_twice_runs_the_body_once(workers, poll, open_gate):
+    workers.start(concurrency=2)
+    execution = submit("testapp.effect", kwargs={"gate": "dup"})
+    poll(lambda: EffectRaw.objects.filter(key=execution.idempotency_key).exists(), timeout=30, what="first run")
+    # A byte-for-byte duplicate of the message: same task id, same headers (a broker
+    # re-delivery or a double publish), while the first copy is still running.
+    publish(execution, task_id=execution.celery_task_id)
+    poll(lambda: "duplicate_delivery" in event_kinds(execution.pk), timeout=30, what="duplicate absorbed")
+    open_gate("dup:1")
+    poll(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=30, what="success")
+
+    # And once more after success: the stored result is returned, the body does not run.
+    publish(execution, task_id=execution.celery_task_id)
+    poll(lambda: "already_finished" in event_kinds(execution.pk), timeout=30, what="late duplicate absorbed")
+
+    assert EffectRaw.objects.filter(key=execution.idempotency_key, phase="started").count() == 1
+    assert Effect.objects.filter(key=execution.idempotency_key).count() == 1
+    assert Execution.objects.count() == 1
+    row = Execution.objects.get(pk=execution.pk)
+    assert (row.attempts, row.fencing_token) == (1, 1)
+
+
+def test_the_same_key_submitted_from_eight_threads_is_one_execution(workers, poll):
+    workers.start(concurrency=2)
+    barrier = threading.Barrier(8)
+    ids: list[int] = []
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            barrier.wait(timeout=30)
+            ids.append(submit("testapp.effect", kwargs={"seconds": 0.2}, idempotency_key="order-42").pk)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert len(set(ids)) == 1 and len(ids) == 8
+    poll(lambda: state_of(ids[0]) == "SUCCEEDED", timeout=30, what="success")
+    assert Execution.objects.count() == 1
+    assert EffectRaw.objects.filter(key="order-42", phase="started").count() == 1
+    assert Effect.objects.filter(key="order-42").count() == 1
+
+
+def test_a_plain_celery_call_is_keyed_by_its_task_id_so_a_redelivery_is_absorbed(workers, poll):
+    workers.start(concurrency=2)
+    effect.apply_async(kwargs={"seconds": 0.5}, task_id="plain-call-1")
+    effect.apply_async(kwargs={"seconds": 0.5}, task_id="plain-call-1")
+    poll(lambda: Execution.objects.filter(idempotency_key="plain-call-1", state="SUCCEEDED").exists(), timeout=30)
+    poll(lambda: len(event_kinds(Execution.objects.get().pk)) >= 3, timeout=30, what="second copy handled")
+    assert Execution.objects.count() == 1
+    assert Execution.objects.get().trigger == "celery"
+    assert Effect.objects.filter(key="plain-call-1").count() == 1
+    assert EffectRaw.objects.filter(key="plain-call-1", phase="started").count() == 1

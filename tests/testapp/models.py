@@ -1,0 +1,28 @@
+"""Side-effect oracles for the tests (never part of the platform)."""
+
+from django.db import models
+
+
+class Effect(models.Model):
+    """One committed effect per key: the UNIQUE constraint makes a second one an error."""
+
+    key = models.CharField(max_length=255, unique=True)
+    fencing_token = models.BigIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+
+class EffectRaw(models.Model):
+    """Every attempt that reached the body, without a constraint: counts duplicate runs."""
+
+    key = models.CharField(max_length=255, db_index=True)
+    phase = models.CharField(max_length=32, default="started")
+    pid = models.IntegerField()
+    fencing_token = models.BigIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+
+class Gate(models.Model):
+    """A flag a test flips to let a waiting task body continue (no sleeps as synchronisation)."""
+
+    name = models.CharField(max_length=100, unique=True)
+    open = models.BooleanField(default=False)

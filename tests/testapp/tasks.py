@@ -1,0 +1,119 @@
+"""Instrumented tasks for the integration tests: each leaves observable effects."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import shared_task
+
+from taskplatform.tasks import IdempotentTask
+
+from .models import Effect, EffectRaw, Gate
+
+
+class TransientError(Exception):
+    """Retryable."""
+
+
+class FatalError(Exception):
+    """Never retried."""
+
+
+def _wait_gate(task: IdempotentTask, gate: str, timeout: float = 60) -> None:
+    """Block until the test opens ``<gate>:<fencing token>`` (so each attempt has its own gate)."""
+    name = f"{gate}:{task.fencing_token}"
+    deadline = time.monotonic() + timeout
+    while not Gate.objects.filter(name=name, open=True).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate {name} never opened")
+        time.sleep(0.05)
+
+
+def _raw(task: IdempotentTask, phase: str) -> None:
+    EffectRaw.objects.create(
+        key=task.idempotency_key, phase=phase, pid=os.getpid(), fencing_token=task.fencing_token or 0
+    )
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.effect")
+def effect(self: IdempotentTask, seconds: float = 0.0, gate: str = "") -> dict[str, Any]:
+    """Record an attempt, optionally wait, then commit the one effect for this key."""
+    _raw(self, "started")
+    if gate:
+        _wait_gate(self, gate)
+    if seconds:
+        time.sleep(seconds)  # the body's own work, not synchronisation
+    Effect.objects.create(key=self.idempotency_key, fencing_token=self.fencing_token or 0)
+    _raw(self, "done")
+    return {"pid": os.getpid(), "token": self.fencing_token}
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.atomic_effect", atomic=True)
+def atomic_effect(self: IdempotentTask, fail: bool = False, gate: str = "") -> dict[str, Any]:
+    """Write the effect inside the ledger's transaction; optionally fail after writing."""
+    Effect.objects.create(key=f"{self.idempotency_key}#{self.fencing_token}", fencing_token=self.fencing_token or 0)
+    if gate:
+        _wait_gate(self, gate)
+    if fail:
+        raise FatalError("failing after the write")
+    return {"token": self.fencing_token}
+
+
+@shared_task(
+    base=IdempotentTask,
+    bind=True,
+    name="testapp.always_fails",
+    autoretry_for=(TransientError,),
+    retry_backoff=1,
+    retry_backoff_max=2,
+    retry_jitter=True,
+    max_retries=3,
+)
+def always_fails(self: IdempotentTask) -> None:
+    _raw(self, "started")
+    raise TransientError(f"transient failure on attempt {self.request.retries + 1}")
+
+
+@shared_task(
+    base=IdempotentTask,
+    bind=True,
+    name="testapp.fatal",
+    autoretry_for=(Exception,),
+    dont_autoretry_for=(FatalError,),
+    max_retries=5,
+)
+def fatal(self: IdempotentTask) -> None:
+    _raw(self, "started")
+    raise FatalError("this input can never succeed")
+
+
+@shared_task(
+    base=IdempotentTask,
+    bind=True,
+    name="testapp.fails_then_succeeds",
+    autoretry_for=(TransientError,),
+    retry_backoff=1,
+    retry_backoff_max=1,
+    retry_jitter=False,
+    max_retries=5,
+)
+def fails_then_succeeds(self: IdempotentTask, failures: int = 1) -> int:
+    _raw(self, "started")
+    if self.request.retries < failures:
+        raise TransientError("not yet")
+    return self.request.retries + 1
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.poison", max_retries=2)
+def poison(self: IdempotentTask) -> None:
+    """Kills its own pool process every time: a poison message."""
+    _raw(self, "started")
+    os._exit(1)
+
+
+@shared_task(name="testapp.plain")
+def plain(x: int) -> int:
+    """A plain Celery task (not idempotent), to show submit() refuses it."""
+    return x

@@ -1,0 +1,49 @@
+"""Start-up checks refuse configurations that break the guarantees, and say what to change."""
+
+from __future__ import annotations
+
+import pytest
+from celery import current_app
+from django.test import override_settings
+
+from taskplatform.checks import check_celery, check_settings
+
+
+@pytest.fixture
+def celery_conf():
+    conf = current_app.conf
+    saved = {k: conf.get(k) for k in ("accept_content", "broker_transport_options", "task_serializer")}
+    yield conf
+    for key, value in saved.items():
+        conf[key] = value
+
+
+def ids(messages) -> set[str]:
+    return {m.id for m in messages}
+
+
+def test_the_shipped_configuration_passes():
+    assert check_settings() == [] and check_celery() == []
+
+
+def test_pickle_is_refused(celery_conf):
+    celery_conf.accept_content = ["json", "pickle"]
+    celery_conf.task_serializer = "pickle"
+    assert {"taskplatform.E010", "taskplatform.E011"} <= ids(check_celery())
+
+
+def test_a_countdown_bound_above_half_the_visibility_timeout_is_refused(celery_conf):
+    celery_conf.broker_transport_options = {"visibility_timeout": 100}
+    messages = [m for m in check_celery() if m.id == "taskplatform.E013"]
+    assert messages and "visibility_timeout" in messages[0].hint
+
+
+@override_settings(TASKPLATFORM_LEASE_SECONDS=1)
+def test_a_lease_too_short_to_renew_is_refused():
+    messages = check_settings()
+    assert ids(messages) == {"taskplatform.E003"} and "3 seconds or more" in messages[0].hint
+
+
+@override_settings(TASKPLATFORM_REPUBLISH_AFTER_SECONDS=0)
+def test_non_positive_values_are_refused():
+    assert "taskplatform.E002" in ids(check_settings())

@@ -1,0 +1,51 @@
+"""The transitions table is the single authority over state changes."""
+
+import pytest
+
+from taskplatform.exceptions import IllegalTransitionError
+from taskplatform.states import (
+    TERMINAL_STATES,
+    TRANSITIONS,
+    Actor,
+    State,
+    find_transition,
+    operator_targets,
+)
+
+
+def test_every_state_is_documented_and_reachable():
+    from taskplatform.states import STATE_DOCS
+
+    assert set(STATE_DOCS) == set(State)
+    reachable = {State.PENDING} | {tr.target for tr in TRANSITIONS}
+    assert reachable == set(State)
+
+
+def test_worker_cannot_leave_a_terminal_state():
+    for state in TERMINAL_STATES:
+        for target in State:
+            with pytest.raises(IllegalTransitionError):
+                find_transition(state, target, Actor.WORKER)
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [("RUNNING", "PENDING"), ("SUCCEEDED", "PENDING"), ("SUCCEEDED", "FAILED"), ("PENDING", "SUCCEEDED")],
+)
+def test_operator_cannot_take_illegal_edges(source, target):
+    with pytest.raises(IllegalTransitionError, match="not a legal transition"):
+        find_transition(source, target, Actor.OPERATOR)
+
+
+def test_an_edge_reserved_to_workers_names_who_may_take_it():
+    with pytest.raises(IllegalTransitionError, match="may only be performed by: worker"):
+        find_transition("PENDING", "RUNNING", Actor.OPERATOR)
+
+
+def test_operator_actions_from_a_dead_letter():
+    names = {(tr.target, tr.name) for tr in operator_targets(State.FAILED)}
+    assert names == {(State.SUCCEEDED, "mark_succeeded"), (State.PENDING, "retry_now")}
+
+
+def test_nothing_leaves_succeeded():
+    assert [tr for tr in TRANSITIONS if tr.source == State.SUCCEEDED] == []
