@@ -28,7 +28,7 @@ DEBUG = True
 # Demo jobs so a fresh `make run` shows work flowing through the ledger.
 CELERY_BEAT_SCHEDULE.update(  # noqa: F405
     {
-        "demo-ping": {"task": "tasks.ping", "schedule": 15.0, "args": ["beat"]},
-        "demo-flaky-sync": {"task": "tasks.flaky_sync", "schedule": 30.0, "kwargs": {"failure_rate": 0.5}},
+        "demo-ping": {"task": "taskplatform.trigger_job", "schedule": 15.0, "args": ["demo-ping"]},
+        "demo-flaky-sync": {"task": "taskplatform.trigger_job", "schedule": 30.0, "args": ["demo-flaky-sync"]},
     }
 )

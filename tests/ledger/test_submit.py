@@ -130,3 +130,18 @@ def test_job_definition_validation_names_each_bad_field():
     assert "below the hard time limit" in errors["soft_time_limit_seconds"][0]
     assert "backoff cap" in errors["backoff_max_seconds"][0]
     assert JobDefinition.objects.count() == 0
+
+
+def test_trigger_job_submits_the_job_once_per_trigger_message_and_skips_paused_jobs():
+    from taskplatform.tasks import trigger_job
+
+    job = JobDefinition.objects.create(slug="nightly", task="testapp.effect", kwargs={"seconds": 0})
+    first = trigger_job.apply(args=["nightly"], task_id="beat-msg-1").get()
+    again = trigger_job.apply(args=["nightly"], task_id="beat-msg-1").get()  # the trigger re-delivered
+    assert first == again
+    execution = Execution.objects.get(pk=first)
+    assert (execution.idempotency_key, execution.trigger, execution.job_id) == ("nightly@beat-msg-1", "beat", job.pk)
+    JobDefinition.objects.filter(pk=job.pk).update(enabled=False)
+    assert trigger_job.apply(args=["nightly"], task_id="beat-msg-2").get() is None
+    assert trigger_job.apply(args=["missing"], task_id="beat-msg-3").get() is None
+    assert Execution.objects.count() == 1

@@ -370,3 +370,23 @@ def rescue() -> dict[str, int]:
     from .rescuer import run_rescuer
 
     return run_rescuer().as_dict()
+
+
+@shared_task(name="taskplatform.trigger_job", bind=True, ignore_result=True)
+def trigger_job(self: Task, slug: str) -> int | None:
+    """Submit job ``slug`` through the ledger: what a plain beat entry calls.
+
+    Keyed by this trigger message's id, so a re-delivered trigger is absorbed. (The
+    ``LockedScheduler`` keys executions by schedule slot instead.) A paused job is skipped.
+    """
+    from .api import submit
+    from .models import JobDefinition
+
+    job = JobDefinition.objects.filter(slug=slug).first()
+    if job is None:
+        log.error("trigger for an unknown job %r ignored", slug)
+        return None
+    if not job.enabled:
+        log.info("job %r is paused; trigger skipped", slug)
+        return None
+    return submit(job, idempotency_key=f"{slug}@{self.request.id}", trigger=Trigger.BEAT).pk

@@ -25,15 +25,15 @@ class Command(BaseCommand):
             credentials.chmod(0o600)
         JobDefinition.objects.get_or_create(
             slug="demo-ping",
-            defaults={"task": "tasks.ping", "args": ["admin"], "description": "Demo: a job that always works."},
+            defaults={"task": "tasks.ping", "args": ["beat"], "description": "Demo: a job that always works."},
         )
         JobDefinition.objects.get_or_create(
             slug="demo-flaky-sync",
             defaults={
                 "task": "tasks.flaky_sync",
-                "kwargs": {"failure_rate": 0.7},
+                "kwargs": {"failure_rate": 0.6},
                 "max_attempts": 3,
-                "description": "Demo: fails 70 % of the time; retries with backoff, then dead-letters.",
+                "description": "Demo: fails 60 % of the time; retries with backoff, then dead-letters.",
             },
         )
         self.stdout.write(credentials.read_text() if credentials.exists() else "admin user exists\n")
