@@ -45,6 +45,7 @@ class LeaseKeeper:
         self._watches: set[Watch] = set()
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self._wake_at = float("inf")  # when the thread wakes next on its own
 
     def watch(self, execution_id: int, token: int, lease_seconds: int, worker: str) -> Watch:
         """Start renewing the lease of the attempt ``(execution_id, token)``."""
@@ -60,7 +61,8 @@ class LeaseKeeper:
         with self._cond:
             self._ensure_thread()
             self._watches.add(w)
-            self._cond.notify()
+            if w.next_renewal < self._wake_at:  # only wake the thread when it would sleep past this
+                self._cond.notify()
         return w
 
     def unwatch(self, w: Watch) -> None:
@@ -81,8 +83,9 @@ class LeaseKeeper:
                 now = time.monotonic()
                 due = [w for w in self._watches if w.next_renewal <= now]
                 if not due:
-                    upcoming = min((w.next_renewal for w in self._watches), default=now + 60)
-                    self._cond.wait(timeout=max(0.05, upcoming - now))
+                    self._wake_at = min((w.next_renewal for w in self._watches), default=now + 60)
+                    self._cond.wait(timeout=max(0.05, self._wake_at - now))
+                    self._wake_at = float("-inf")  # awake: new watches need no notification
                     continue
             for w in due:
                 try:

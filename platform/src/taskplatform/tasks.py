@@ -193,20 +193,33 @@ class IdempotentTask(Task):
             return super().__call__(*args, **kwargs)  # a plain function call: no ledger
         return self._run_under_ledger(request, args, kwargs)
 
-    def _load_execution(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Execution | None:
+    def _claim(self, request: Any, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ledger.Claim | None:
+        """Claim the execution this delivery is for (creating it first for a plain Celery call)."""
+        node = request.hostname or "local"
         headers = request.headers or {}
         execution_id = headers.get(HEADER_EXECUTION)
         if execution_id is not None:
-            found: Execution | None = ledger.Execution.objects.select_related("job").filter(pk=execution_id).first()
-            if found is None:
+            claim = ledger.claim_message(
+                int(execution_id),
+                task_name=self.name,
+                args=list(args),
+                kwargs=dict(kwargs),
+                worker=worker,
+                celery_task_id=request.id,
+                default_lease_seconds=self.lease_for(None),
+                lease_seconds_for=self.lease_for,
+                max_attempts_for=lambda job: self.retry_policy(job).max_attempts,
+                owner_alive=_owner_alive_on(node),
+            )
+            if claim is None:
                 log.error(
                     "message for a missing execution dropped (pruned, or published before commit)",
                     extra={"execution_id": execution_id, "celery_task_id": request.id},
                 )
-            return found
+            return claim
         key = self.derive_idempotency_key(*args, **kwargs) or request.id
         delivery = request.delivery_info or {}
-        return ledger.ensure(
+        execution = ledger.ensure(
             ledger.NewExecution(
                 idempotency_key=str(key)[:255],
                 task_name=self.name,
@@ -218,26 +231,21 @@ class IdempotentTask(Task):
                 publish_count=1,
             )
         )
+        return ledger.claim(
+            execution,
+            worker=worker,
+            celery_task_id=request.id,
+            lease_seconds=self.lease_for(execution.job),
+            max_attempts=self.retry_policy(execution.job).max_attempts,
+            owner_alive=_owner_alive_on(node),
+        )
 
     def _run_under_ledger(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        node = request.hostname or "local"
-        worker = f"{node}:{os.getpid()}"
-        execution = _retry_db(lambda: self._load_execution(request, args, kwargs))
-        if execution is None:
+        worker = f"{request.hostname or 'local'}:{os.getpid()}"
+        claim = _retry_db(lambda: self._claim(request, worker, args, kwargs))
+        if claim is None:
             return None
-        job = execution.job
-        policy = self.retry_policy(job)
-        lease_seconds = self.lease_for(job)
-        claim = _retry_db(
-            lambda: ledger.claim(
-                execution,
-                worker=worker,
-                celery_task_id=request.id,
-                lease_seconds=lease_seconds,
-                max_attempts=policy.max_attempts,
-                owner_alive=_owner_alive_on(node),
-            )
-        )
+        execution = claim.execution
         if claim.outcome != "claimed":
             log.info(
                 "delivery absorbed: %s",
@@ -249,7 +257,7 @@ class IdempotentTask(Task):
         token = claim.token
         request.tp_execution = execution
         request.retries = execution.attempts - 1
-        watch = lease_keeper().watch(execution.pk, token, lease_seconds, worker)
+        watch = lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker)
         request.tp_watch = watch
         body = getattr(self, "_orig_run", self.run)  # bypass Celery's autoretry wrapper
         started = time.monotonic()
@@ -270,13 +278,13 @@ class IdempotentTask(Task):
             self._record_success(execution, token, None, worker, started, note="body raised Ignore")
             raise
         except PlatformRetry as exc:
-            self._record_failure(execution, token, exc.exc or exc, policy, worker, started, explicit=exc)
+            self._record_failure(execution, token, exc.exc or exc, worker, started, explicit=exc)
         except Retry as exc:  # raised by the body directly, Celery style
             countdown = exc.when if isinstance(exc.when, (int, float)) else None
             explicit = PlatformRetry(exc.exc, countdown, None)
-            self._record_failure(execution, token, exc.exc or exc, policy, worker, started, explicit=explicit)
+            self._record_failure(execution, token, exc.exc or exc, worker, started, explicit=explicit)
         except Exception as exc:
-            self._record_failure(execution, token, exc, policy, worker, started)
+            self._record_failure(execution, token, exc, worker, started)
         finally:
             lease_keeper().unwatch(watch)
         raise AssertionError("unreachable")  # pragma: no cover - _record_failure always raises
@@ -295,12 +303,12 @@ class IdempotentTask(Task):
         execution: Execution,
         token: int,
         exc: BaseException,
-        policy: RetryPolicy,
         worker: str,
         started: float,
         explicit: PlatformRetry | None = None,
     ) -> None:
         """Record a failed attempt as a retry or a dead letter, then raise for Celery."""
+        policy = self.retry_policy(execution.job)  # read now: a job edit applies to this retry
         error = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
         trace = "".join(tb_module.format_exception(exc)) if exc.__traceback__ else ""
         max_attempts = policy.max_attempts

@@ -1,0 +1,1 @@
+"""Benchmarks: taskplatform against plain Celery and its peers, in one run (`make bench`)."""

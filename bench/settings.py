@@ -1,0 +1,23 @@
+"""Benchmark settings: the reference deployment's Celery settings, a PostgreSQL bench database."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/taskplatform_bench")
+os.environ.setdefault("CELERY_BROKER_URL", "redis://127.0.0.1:6379/13")
+
+from django.core.management.utils import get_random_secret_key
+
+from config.settings.base import *  # noqa: F403
+from config.settings.base import INSTALLED_APPS
+
+SECRET_KEY = get_random_secret_key()
+INSTALLED_APPS = [*INSTALLED_APPS, "django_celery_results", "bench.benchapp"]
+CELERY_RESULT_BACKEND = "django-db"  # used only by bench.dcr_noop (the others ignore results)
+CELERY_TASK_DEFAULT_QUEUE = "bench"
+CELERY_BEAT_SCHEDULE = {}
+BENCH_ONCE_REDIS_URL = os.environ.get("BENCH_ONCE_REDIS_URL", "redis://127.0.0.1:6379/12")
+if os.environ.get("BENCH_DB_REUSE_MAX") == "unset":  # Celery's out-of-the-box behaviour
+    del CELERY_DB_REUSE_MAX  # noqa: F821
+LOGGING = {"version": 1, "disable_existing_loggers": False}

@@ -1,0 +1,195 @@
+"""Single-statement forms of the ledger's three hot writes, for PostgreSQL.
+
+The portable protocol in ``ledger`` takes a read plus a transaction of two statements for a
+claim and for a success (about nine round trips per execution). On PostgreSQL the same
+compare-and-set, and its event row, fit in one statement each, using a data-modifying CTE:
+the event is inserted from the ``UPDATE``'s ``RETURNING`` rows, so it exists if and only if
+the compare-and-set matched. Semantics are identical; the portable path still handles
+every case these do not (retries, takeovers, duplicates, other databases), and the ledger
+test suite runs both (PostgreSQL here, SQLite and MariaDB there).
+
+Private to ``ledger``: nothing else calls these.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+from django.db import connection
+from django.db.models import Field
+
+from .models import Execution, ExecutionEvent
+from .states import State
+
+
+def enabled() -> bool:
+    """True when the current connection is PostgreSQL (data-modifying CTEs, RETURNING)."""
+    return connection.vendor == "postgresql"
+
+
+def _q(name: str) -> str:
+    return connection.ops.quote_name(name)
+
+
+@cache
+def _insert_sql() -> tuple[str, tuple[Field[Any, Any], ...]]:
+    fields = tuple(f for f in Execution._meta.concrete_fields if not f.primary_key)
+    columns = ", ".join(_q(str(f.column)) for f in fields)
+    placeholders = ", ".join(["%s"] * len(fields))
+    key = _q("idempotency_key")
+    sql = (
+        f"INSERT INTO {_q(Execution._meta.db_table)} ({columns}) VALUES ({placeholders}) "
+        f"ON CONFLICT ({key}) DO NOTHING RETURNING {_q('id')}"
+    )
+    return sql, fields
+
+
+def insert(execution: Execution, now: datetime) -> bool:
+    """Insert ``execution`` unless its key exists; True (and ``pk`` set) if it was inserted.
+
+    ``ON CONFLICT DO NOTHING`` means no error path, so no savepoint is needed even inside
+    the caller's transaction.
+    """
+    execution.created_at = execution.updated_at = now
+    sql, fields = _insert_sql()
+    values = [f.get_db_prep_save(getattr(execution, f.attname), connection) for f in fields]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, values)
+        row = cursor.fetchone()
+    if row is None:
+        return False
+    execution.pk = row[0]
+    execution._state.adding = False
+    execution._state.db = connection.alias
+    return True
+
+
+_EVENT_COLUMNS = "execution_id, at, kind, from_state, to_state, attempt, fencing_token, actor, reason, data"
+
+
+@cache
+def _claim_sql() -> str:
+    ex, job, ev = (
+        _q(Execution._meta.db_table),
+        _q("taskplatform_jobdefinition"),
+        _q(ExecutionEvent._meta.db_table),
+    )
+    return f"""
+        WITH u AS (
+            UPDATE {ex} AS e SET
+                state = 'RUNNING',
+                attempts = e.attempts + 1,
+                fencing_token = e.fencing_token + 1,
+                lease_expires_at = %(now)s + make_interval(secs => COALESCE(
+                    (SELECT j.lease_seconds FROM {job} AS j WHERE j.id = e.job_id), %(lease)s)),
+                worker = %(worker)s,
+                celery_task_id = %(task_id)s,
+                started_at = %(now)s,
+                due_at = NULL,
+                updated_at = %(now)s
+            WHERE e.id = %(id)s AND e.state = 'PENDING' AND e.attempts = 0
+            RETURNING e.id, e.idempotency_key, e.job_id, e.attempts, e.fencing_token, e.lease_expires_at,
+                      e.{_q("trigger")}, e.queue, e.priority, e.scheduled_for, e.created_at, e.publish_count
+        ), ev AS (
+            INSERT INTO {ev} ({_EVENT_COLUMNS})
+            SELECT u.id, %(now)s, 'claimed', 'PENDING', 'RUNNING', u.attempts, u.fencing_token, %(worker)s, '',
+                   jsonb_build_object('celery_task_id', %(task_id)s::text,
+                                      'lease_seconds', EXTRACT(EPOCH FROM u.lease_expires_at - %(now)s)::int)
+            FROM u
+        )
+        SELECT * FROM u
+    """
+
+
+def claim_first_attempt(
+    execution_id: int,
+    *,
+    task_name: str,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    worker: str,
+    celery_task_id: str,
+    default_lease_seconds: int,
+    now: datetime,
+) -> Execution | None:
+    """Claim a ``PENDING`` execution that has never been attempted, in one statement.
+
+    Returns the claimed execution (with the arguments from the message, which are the
+    ledger's), or None when the row is in any other condition: the portable path decides.
+    """
+    params: dict[str, Any] = {
+        "id": execution_id,
+        "now": now,
+        "lease": default_lease_seconds,
+        "worker": worker[:255],
+        "task_id": celery_task_id[:255],
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_claim_sql(), params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    (pk, key, job_id, attempts, token, lease_until, trigger, queue, priority, scheduled_for, created_at, pubs) = row
+    execution = Execution(
+        id=pk,
+        idempotency_key=key,
+        job_id=job_id,
+        task_name=task_name,
+        args=args,
+        kwargs=kwargs,
+        trigger=trigger,
+        queue=queue,
+        priority=priority,
+        state=State.RUNNING,
+        attempts=attempts,
+        fencing_token=token,
+        lease_expires_at=lease_until,
+        worker=worker,
+        celery_task_id=celery_task_id,
+        scheduled_for=scheduled_for,
+        publish_count=pubs,
+        created_at=created_at,
+        updated_at=now,
+        started_at=now,
+    )
+    execution._state.adding = False
+    execution._state.db = connection.alias
+    return execution
+
+
+@cache
+def _succeed_sql() -> str:
+    ex, ev = _q(Execution._meta.db_table), _q(ExecutionEvent._meta.db_table)
+    return f"""
+        WITH u AS (
+            UPDATE {ex} SET state = 'SUCCEEDED', result = %(result)s::jsonb, finished_at = %(now)s,
+                            lease_expires_at = NULL, updated_at = %(now)s
+            WHERE id = %(id)s AND state = 'RUNNING' AND fencing_token = %(token)s
+            RETURNING id, attempts, fencing_token
+        ), ev AS (
+            INSERT INTO {ev} ({_EVENT_COLUMNS})
+            SELECT u.id, %(now)s, 'succeeded', 'RUNNING', 'SUCCEEDED', u.attempts, u.fencing_token, %(worker)s, '',
+                   %(data)s::jsonb
+            FROM u
+        )
+        SELECT count(*) FROM u
+    """
+
+
+def succeed(execution_id: int, token: int, result: Any, *, worker: str, data: dict[str, Any], now: datetime) -> bool:
+    """The success compare-and-set and its event in one statement; False if ``token`` is stale."""
+    params: dict[str, Any] = {
+        "id": execution_id,
+        "token": token,
+        "result": None if result is None else json.dumps(result),
+        "now": now,
+        "worker": worker[:255],
+        "data": json.dumps(data),
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_succeed_sql(), params)
+        (matched,) = cursor.fetchone()
+    return bool(matched)
