@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -110,11 +111,19 @@ def stop_worker(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def drained() -> bool:
+def _broker() -> Any:
     import redis
     from django.conf import settings
 
-    r = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    return redis.Redis.from_url(settings.CELERY_BROKER_URL)
+
+
+def queue_length() -> int:
+    return int(_broker().llen("bench"))
+
+
+def drained() -> bool:
+    r = _broker()
     return r.llen("bench") == 0 and r.hlen("unacked") == 0
 
 
@@ -168,6 +177,9 @@ def run_variant(variant: str, n: int) -> dict[str, Any]:
         current_app.control.cancel_consumer("bench", destination=[name], reply=True, timeout=5)
         for i in range(n):
             publish(i)
+        queued = queue_length()
+        if queued != n:
+            raise RuntimeError(f"drain run invalid: {queued} of {n} messages queued before consuming resumed")
         drain_start = time.perf_counter()
         current_app.control.add_consumer("bench", destination=[name], reply=True, timeout=5)
         wait_drained(600)
@@ -242,7 +254,8 @@ def main() -> None:
             runs[variant].append(result)
             print(f"round {round_no + 1}: {json.dumps(result)}", flush=True)
 
-    best = {v: sorted(rs, key=lambda r: r["tasks_per_second"])[len(rs) // 2] for v, rs in runs.items()}
+    metrics = ("tasks_per_second", "drain_per_second", "publish_per_second", "pg_transactions_per_task")
+    best = {v: {**rs[-1], **{m: statistics.median(r[m] for r in rs) for m in metrics}} for v, rs in runs.items()}
     base = best.get("plain", {}).get("tasks_per_second")
     statements = statements_per_execution()
 

@@ -117,3 +117,22 @@ def poison(self: IdempotentTask) -> None:
 def plain(x: int) -> int:
     """A plain Celery task (not idempotent), to show submit() refuses it."""
     return x
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.explicit_retry")
+def explicit_retry(self: IdempotentTask, succeed_on: int = 0) -> int:
+    """Asks for retries the Celery way (``raise self.retry(...)``)."""
+    _raw(self, "started")
+    attempt = self.request.retries + 1
+    if attempt == succeed_on:
+        return attempt
+    try:
+        raise TransientError(f"attempt {attempt} not good enough")
+    except TransientError as exc:
+        raise self.retry(exc=exc, countdown=0, max_retries=2) from exc
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.sleepy")
+def sleepy(self: IdempotentTask, seconds: float = 5) -> None:
+    _raw(self, "started")
+    time.sleep(seconds)  # the body's own work

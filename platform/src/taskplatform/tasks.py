@@ -73,15 +73,25 @@ def _owner_alive_on(node: str) -> Any:
         pid = int(pid_text)
         if pid == os.getpid():
             return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return _process_alive(pid)
 
     return probe
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process on this machine (a zombie counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no procfs: trust the signal check
+    return state not in {"Z", "X"}  # killed but not yet reaped by the pool
 
 
 def _retry_db(fn: Any) -> Any:
@@ -261,14 +271,17 @@ class IdempotentTask(Task):
         request.tp_watch = watch
         body = getattr(self, "_orig_run", self.run)  # bypass Celery's autoretry wrapper
         started = time.monotonic()
+        returned = False  # set once the body returned: later errors are the ledger's, not the body's
         try:
             if self.atomic:
                 with transaction.atomic():
                     result = body(*args, **kwargs)
+                    returned = True
                     self._record_success(execution, token, result, worker, started)
             else:
                 result = body(*args, **kwargs)
-                self._record_success(execution, token, result, worker, started)
+                returned = True
+                _retry_db(lambda: self._record_success(execution, token, result, worker, started))
             return result
         except StaleExecutionError as exc:
             ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed")
@@ -284,6 +297,18 @@ class IdempotentTask(Task):
             explicit = PlatformRetry(exc.exc, countdown, None)
             self._record_failure(execution, token, exc.exc or exc, worker, started, explicit=explicit)
         except Exception as exc:
+            if returned:
+                # The body finished but its success could not be recorded (database down, or
+                # the commit's outcome unknown). Not a body failure: the attempt stays RUNNING,
+                # its lease expires and the rescuer re-queues it. In atomic mode the body's
+                # writes were rolled back with the mark; otherwise downstream effects must be
+                # idempotent on ``idempotency_key``.
+                log.error(
+                    "success of a finished body could not be recorded; the rescuer will re-queue it",
+                    exc_info=True,
+                    extra={"execution_id": execution.pk, "fencing_token": token},
+                )
+                raise
             self._record_failure(execution, token, exc, worker, started)
         finally:
             lease_keeper().unwatch(watch)
