@@ -261,7 +261,7 @@ def main() -> None:
 
     print()
     print(
-        f"{args.tasks} no-op tasks per run, median of {args.repeat}; Redis broker, prefork -c 2, acks_late, prefetch 1"
+        f"{args.tasks} no-op tasks per run, medians of {args.repeat}; Redis broker, prefork -c 2, acks_late, prefetch 1"
     )
     drain_base = best.get("plain", {}).get("drain_per_second")
     print(f"{'variant':<64} {'e2e/s':>7} {'vs plain':>8} {'drain/s':>8} {'vs plain':>8} {'publish/s':>9} {'PG tx':>6}")

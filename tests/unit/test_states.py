@@ -49,3 +49,12 @@ def test_operator_actions_from_a_dead_letter():
 
 def test_nothing_leaves_succeeded():
     assert [tr for tr in TRANSITIONS if tr.source == State.SUCCEEDED] == []
+
+
+def test_the_states_reference_document_is_current():
+    from pathlib import Path
+
+    from taskplatform.management.commands.taskplatform import states_markdown
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "reference" / "states.md"
+    assert states_markdown() in doc.read_text(), "regenerate with: python manage.py taskplatform states"

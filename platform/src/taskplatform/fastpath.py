@@ -16,13 +16,16 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import connection
 from django.db.models import Field
 
 from .models import Execution, ExecutionEvent
 from .states import State
+
+if TYPE_CHECKING:
+    from .ledger import Delivery
 
 
 def enabled() -> bool:
@@ -104,28 +107,18 @@ def _claim_sql() -> str:
     """
 
 
-def claim_first_attempt(
-    execution_id: int,
-    *,
-    task_name: str,
-    args: list[Any],
-    kwargs: dict[str, Any],
-    worker: str,
-    celery_task_id: str,
-    default_lease_seconds: int,
-    now: datetime,
-) -> Execution | None:
+def claim_first_attempt(delivery: Delivery, *, default_lease_seconds: int, now: datetime) -> Execution | None:
     """Claim a ``PENDING`` execution that has never been attempted, in one statement.
 
     Returns the claimed execution (with the arguments from the message, which are the
     ledger's), or None when the row is in any other condition: the portable path decides.
     """
     params: dict[str, Any] = {
-        "id": execution_id,
+        "id": delivery.execution_id,
         "now": now,
         "lease": default_lease_seconds,
-        "worker": worker[:255],
-        "task_id": celery_task_id[:255],
+        "worker": delivery.worker[:255],
+        "task_id": delivery.celery_task_id[:255],
     }
     with connection.cursor() as cursor:
         cursor.execute(_claim_sql(), params)
@@ -137,9 +130,9 @@ def claim_first_attempt(
         id=pk,
         idempotency_key=key,
         job_id=job_id,
-        task_name=task_name,
-        args=args,
-        kwargs=kwargs,
+        task_name=delivery.task_name,
+        args=delivery.args,
+        kwargs=delivery.kwargs,
         trigger=trigger,
         queue=queue,
         priority=priority,
@@ -147,8 +140,8 @@ def claim_first_attempt(
         attempts=attempts,
         fencing_token=token,
         lease_expires_at=lease_until,
-        worker=worker,
-        celery_task_id=celery_task_id,
+        worker=delivery.worker,
+        celery_task_id=delivery.celery_task_id,
         scheduled_for=scheduled_for,
         publish_count=pubs,
         created_at=created_at,

@@ -175,14 +175,21 @@ def ensure(spec: NewExecution) -> Execution:
 # --- the worker's side: claim, heartbeat, outcome ---------------------------------------------
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """One message as a worker received it: which execution, by whom, with what arguments."""
+
+    execution_id: int
+    task_name: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    worker: str  # "<celery nodename>:<pid>"
+    celery_task_id: str
+
+
 def claim_message(
-    execution_id: int,
+    delivery: Delivery,
     *,
-    task_name: str,
-    args: list[Any],
-    kwargs: dict[str, Any],
-    worker: str,
-    celery_task_id: str,
     default_lease_seconds: int,
     lease_seconds_for: Callable[[JobDefinition | None], int],
     max_attempts_for: Callable[[JobDefinition | None], int],
@@ -195,26 +202,17 @@ def claim_message(
     """
     now = timezone.now()
     if fastpath.enabled():
-        claimed = fastpath.claim_first_attempt(
-            execution_id,
-            task_name=task_name,
-            args=args,
-            kwargs=kwargs,
-            worker=worker,
-            celery_task_id=celery_task_id,
-            default_lease_seconds=default_lease_seconds,
-            now=now,
-        )
+        claimed = fastpath.claim_first_attempt(delivery, default_lease_seconds=default_lease_seconds, now=now)
         if claimed is not None:
             lease = round((claimed.lease_expires_at - now).total_seconds()) if claimed.lease_expires_at else 0
             return Claim("claimed", claimed, lease_seconds=lease)
-    execution = Execution.objects.select_related("job").filter(pk=execution_id).first()
+    execution = Execution.objects.select_related("job").filter(pk=delivery.execution_id).first()
     if execution is None:
         return None
     return claim(
         execution,
-        worker=worker,
-        celery_task_id=celery_task_id,
+        worker=delivery.worker,
+        celery_task_id=delivery.celery_task_id,
         lease_seconds=lease_seconds_for(execution.job),
         max_attempts=max_attempts_for(execution.job),
         owner_alive=owner_alive,
@@ -332,19 +330,16 @@ def renew_lease(execution_id: int, token: int, lease_seconds: int) -> bool:
     return rows == 1
 
 
+def _note(execution_id: int, kind: str, *, worker: str, data: dict[str, Any]) -> None:
+    """Append an event that records something without changing the execution's state."""
+    execution = Execution.objects.filter(pk=execution_id).first()
+    if execution is not None:
+        _event(execution, kind, from_state=execution.state, to_state=execution.state, actor=worker, data=data)
+
+
 def record_lease_lost(execution_id: int, token: int, worker: str) -> None:
     """Note in the history that an attempt's lease renewal was refused."""
-    execution = Execution.objects.filter(pk=execution_id).first()
-    if execution is None:
-        return
-    _event(
-        execution,
-        EventKind.LEASE_LOST,
-        from_state=execution.state,
-        to_state=execution.state,
-        actor=worker,
-        data={"attempt_token": token},
-    )
+    _note(execution_id, EventKind.LEASE_LOST, worker=worker, data={"attempt_token": token})
 
 
 def succeed(execution: Execution, token: int, result: Any, *, worker: str, data: dict[str, Any]) -> None:
@@ -393,17 +388,7 @@ def succeed(execution: Execution, token: int, result: Any, *, worker: str, data:
 
 def record_stale_write(execution_id: int, token: int, *, worker: str, what: str) -> None:
     """Audit a refused write-back from an attempt that no longer owns the execution."""
-    execution = Execution.objects.filter(pk=execution_id).first()
-    if execution is None:
-        return
-    _event(
-        execution,
-        EventKind.STALE_WRITE_REJECTED,
-        from_state=execution.state,
-        to_state=execution.state,
-        actor=worker,
-        data={"attempt_token": token, "write": what},
-    )
+    _note(execution_id, EventKind.STALE_WRITE_REJECTED, worker=worker, data={"attempt_token": token, "write": what})
 
 
 def schedule_retry(

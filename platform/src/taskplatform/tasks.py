@@ -209,13 +209,9 @@ class IdempotentTask(Task):
         headers = request.headers or {}
         execution_id = headers.get(HEADER_EXECUTION)
         if execution_id is not None:
+            delivery = ledger.Delivery(int(execution_id), self.name, list(args), dict(kwargs), worker, request.id)
             claim = ledger.claim_message(
-                int(execution_id),
-                task_name=self.name,
-                args=list(args),
-                kwargs=dict(kwargs),
-                worker=worker,
-                celery_task_id=request.id,
+                delivery,
                 default_lease_seconds=self.lease_for(None),
                 lease_seconds_for=self.lease_for,
                 max_attempts_for=lambda job: self.retry_policy(job).max_attempts,
@@ -228,7 +224,7 @@ class IdempotentTask(Task):
                 )
             return claim
         key = self.derive_idempotency_key(*args, **kwargs) or request.id
-        delivery = request.delivery_info or {}
+        delivery_info = request.delivery_info or {}
         execution = ledger.ensure(
             ledger.NewExecution(
                 idempotency_key=str(key)[:255],
@@ -236,7 +232,7 @@ class IdempotentTask(Task):
                 args=list(args),
                 kwargs=dict(kwargs),
                 trigger=Trigger.CELERY,
-                queue=str(delivery.get("routing_key") or "")[:100],
+                queue=str(delivery_info.get("routing_key") or "")[:100],
                 celery_task_id=request.id,
                 publish_count=1,
             )
