@@ -110,3 +110,26 @@ def check_celery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
             )
         )
     return errors
+
+
+@register("taskplatform")
+def check_lock_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Every configured lock backend imports, builds and accepts its options."""
+    from .backends import backend_config, build_backend
+    from .exceptions import TaskPlatformError
+
+    aliases = set(platform_settings().lock_backends or {}) | {"default"}
+    errors: list[CheckMessage] = []
+    for alias in sorted(aliases):
+        try:
+            backend = build_backend(alias, backend_config(alias))
+        except TaskPlatformError as exc:
+            errors.append(Error(str(exc), id="taskplatform.E020"))
+            continue
+        except Exception as exc:
+            errors.append(Error(f"lock backend {alias!r} could not be built: {exc}", id="taskplatform.E020"))
+            continue
+        for problem in backend.check():
+            errors.append(Error(f"lock backend {alias!r}: {problem}", id="taskplatform.E021"))
+        backend.close()
+    return errors

@@ -7,7 +7,7 @@ never ``getattr(settings, ...)`` ad hoc.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import cache
 from typing import Any
 
@@ -45,6 +45,11 @@ class PlatformSettings:
     rescue_interval_seconds: int = 10
     #: Queue the rescuer task is published to when beat drives it (empty: Celery's default).
     rescue_queue: str = ""
+    #: Lock backends by alias, like ``CACHES``: ``{"default": {"BACKEND": "...", "OPTIONS": {...}}}``.
+    lock_backends: dict[str, Any] = field(default_factory=dict)
+    #: The default lock backend as a URL (used when ``lock_backends`` has no ``default``):
+    #: ``db://``, ``redis://h:6379/0``, ``redis-cluster://h:7000``, ``redlock://h1:p1,h2:p2,h3:p3``.
+    lock_url: str = "db://"
 
 
 _FIELD_NAMES = {f.name for f in fields(PlatformSettings)}

@@ -235,3 +235,25 @@ class ExecutionEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.attempt} {self.from_state}→{self.to_state}"
+
+
+class LockLease(models.Model):
+    """A named lease held through the database lock backend (``backends.db``).
+
+    Times are the database server's (``NOW()``), so beat processes on hosts with skewed
+    clocks still agree on who holds a lease. ``fencing_token`` only ever grows, release
+    included.
+    """
+
+    name = models.CharField(max_length=200, unique=True)
+    owner = models.CharField(max_length=255, blank=True, help_text="Empty when free.")
+    fencing_token = models.BigIntegerField(default=0)
+    acquired_at = models.DateTimeField(null=True, blank=True)
+    renewed_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.owner or 'free'})"

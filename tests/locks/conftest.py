@@ -1,0 +1,172 @@
+"""Real lock servers for the contract suite: a 6-node Redis Cluster and 3 Redlock nodes.
+
+Started from the ``redis-server`` binary on free high ports for the test session and
+stopped by PID; nothing else on the machine is touched.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.conftest import IN_CI, RedisServer, port_open, require_service
+from tests.helpers import wait_for
+
+CLUSTER_NODE_ARGS = (
+    "--cluster-enabled",
+    "yes",
+    "--cluster-config-file",
+    "nodes.conf",
+    "--cluster-node-timeout",
+    "2000",
+)
+CREATE_ARGS = ("--cluster-replicas", "1", "--cluster-yes")
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + 10000 < 65535 and not port_open("127.0.0.1", port + 10000, 0.05):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _need_redis_server() -> None:
+    if not shutil.which("redis-server") or not shutil.which("redis-cli"):
+        if IN_CI:
+            pytest.fail("redis-server / redis-cli not on PATH")
+        pytest.skip("redis-server / redis-cli not on PATH")
+
+
+@dataclass
+class RedisClusterNodes:
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.nodes[0].port}"
+
+    def by_port(self, port: int) -> RedisServer:
+        return next(n for n in self.nodes if n.port == port)
+
+    def healthy(self) -> bool:
+        """Every live node reports the cluster ok."""
+        for node in self.nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            out = subprocess.run(
+                ["redis-cli", "-p", str(node.port), "cluster", "info"], capture_output=True, text=True, timeout=5
+            ).stdout
+            if "cluster_state:ok" not in out:
+                return False
+        return True
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+    """Six nodes, three masters with one replica each, node timeout 2 s."""
+    _need_redis_server()
+    base = tmp_path_factory.mktemp("redis-cluster")
+    cluster = RedisClusterNodes()
+    try:
+        for i in range(6):
+            port = _free_cluster_port()
+            node = RedisServer(
+                port=port,
+                workdir=base / f"n{i}",
+                extra=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ),
+            )
+            node.start()
+            cluster.nodes.append(node)
+        create = subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in cluster.nodes], *CREATE_ARGS],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert create.returncode == 0, create.stdout + create.stderr
+        wait_for(cluster.healthy, timeout=30, interval=0.2, what="cluster state ok")
+        yield cluster
+    finally:
+        for node in cluster.nodes:
+            node.stop()
+
+
+@pytest.fixture(scope="session")
+def redlock_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisServer]]:
+    """Three independent Redis servers for Redlock."""
+    _need_redis_server()
+    base = tmp_path_factory.mktemp("redlock")
+    nodes: list[RedisServer] = []
+    try:
+        for i in range(3):
+            node = RedisServer(port=_free_cluster_port(), workdir=base / f"r{i}")
+            node.start()
+            nodes.append(node)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+BACKENDS = [
+    "locmem",
+    pytest.param("db", marks=[pytest.mark.django_db(transaction=True), pytest.mark.portable]),
+    "redis",
+    "redis_cluster",
+    "redlock",
+]
+
+
+def make_backend(kind: str, request: pytest.FixtureRequest, **options: Any) -> Any:
+    """A fresh backend of ``kind`` with a key prefix of its own."""
+    from taskplatform.backends.db import DatabaseLockBackend
+    from taskplatform.backends.locmem import LocMemLockBackend
+    from taskplatform.backends.redis import RedisLockBackend
+    from taskplatform.backends.redis_cluster import RedisClusterLockBackend
+    from taskplatform.backends.redlock import RedlockLockBackend
+
+    prefix = f"tp:test:{uuid.uuid4().hex[:8]}:"
+    if kind == "locmem":
+        return LocMemLockBackend("test", options)
+    if kind == "db":  # the test carries django_db(transaction=True) (see BACKENDS)
+        return DatabaseLockBackend("test", options)
+    if kind == "redis":
+        require_service("Redis", "127.0.0.1", 6379)
+        return RedisLockBackend("test", {"url": "redis://127.0.0.1:6379/11", "prefix": prefix, **options})
+    if kind == "redis_cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        return RedisClusterLockBackend("test", {"url": cluster.url, "prefix": prefix, **options})
+    if kind == "redlock":
+        nodes = request.getfixturevalue("redlock_nodes")
+        return RedlockLockBackend("test", {"urls": [n.url for n in nodes], "prefix": prefix, **options})
+    raise ValueError(kind)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[Any]:
+    b = make_backend(request.param, request)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def lock_name() -> str:
+    return f"lock-{uuid.uuid4().hex[:8]}"
