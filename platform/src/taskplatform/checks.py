@@ -60,8 +60,8 @@ def check_celery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     if "pickle" in accept or "application/x-python-serialize" in accept:
         errors.append(
             Error(
-                "Celery accept_content includes pickle",
-                hint="Set CELERY_ACCEPT_CONTENT = ['json']: pickle lets a broker message run code.",
+                "Celery would accept pickled messages (CELERY_ACCEPT_CONTENT)",
+                hint="A pickled broker message can run code: accept JSON only, CELERY_ACCEPT_CONTENT = ['json'].",
                 id="taskplatform.E010",
             )
         )
