@@ -19,6 +19,7 @@ import pytest
 from tests.conftest import IN_CI, RedisServer, port_open, require_service
 from tests.helpers import wait_for
 
+#: Node timeout 2 s: a dead master's replica is promoted within a few seconds.
 CLUSTER_NODE_ARGS = (
     "--cluster-enabled",
     "yes",
@@ -84,14 +85,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
             node = RedisServer(
                 port=port,
                 workdir=base / f"n{i}",
-                extra=(
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "2000",
-                ),
+                extra=CLUSTER_NODE_ARGS,
             )
             node.start()
             cluster.nodes.append(node)
