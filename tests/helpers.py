@@ -29,3 +29,36 @@ def event_kinds(pk: int) -> list[str]:
     from taskplatform.models import ExecutionEvent
 
     return list(ExecutionEvent.objects.filter(execution_id=pk).order_by("id").values_list("kind", flat=True))
+
+
+def race(n: int, fn: Callable[[int, Callable[[], None]], Any], *, timeout: float = 60) -> list[Any]:
+    """Run ``fn(i, start)`` in ``n`` threads; each calls ``start()`` to wait for all the others.
+
+    Returns the results (in completion order) and re-raises the first error. Each thread
+    closes its own database connection, so the racers really are separate sessions.
+    """
+    import threading
+
+    from django.db import connection
+
+    barrier = threading.Barrier(n)
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def runner(i: int) -> None:
+        try:
+            results.append(fn(i, lambda: barrier.wait(timeout=timeout)))
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=runner, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    if errors:
+        raise errors[0]
+    assert len(results) == n, f"{n - len(results)} racers did not finish within {timeout} s"
+    return results

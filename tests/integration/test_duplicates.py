@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from django.db import connection
 
 from taskplatform import submit
 from taskplatform.models import Execution
 from taskplatform.publisher import publish
-from tests.helpers import event_kinds, state_of
+from tests.helpers import event_kinds, race, state_of
 from tests.testapp.models import Effect, EffectRaw
 from tests.testapp.tasks import effect
 
@@ -41,25 +38,12 @@ def test_the_same_message_delivered_twice_runs_the_body_once(workers, poll, open
 
 def test_the_same_key_submitted_from_eight_threads_is_one_execution(workers, poll):
     workers.start(concurrency=2)
-    barrier = threading.Barrier(8)
-    ids: list[int] = []
-    errors: list[BaseException] = []
 
-    def client() -> None:
-        try:
-            barrier.wait(timeout=30)
-            ids.append(submit("testapp.effect", kwargs={"seconds": 0.2}, idempotency_key="order-42").pk)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-        finally:
-            connection.close()
+    def client(i: int, start) -> int:
+        start()
+        return submit("testapp.effect", kwargs={"seconds": 0.2}, idempotency_key="order-42").pk
 
-    threads = [threading.Thread(target=client) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    ids = race(8, client)
     assert len(set(ids)) == 1 and len(ids) == 8
     poll(lambda: state_of(ids[0]) == "SUCCEEDED", timeout=30, what="success")
     assert Execution.objects.count() == 1

@@ -7,11 +7,9 @@ concurrent connections.
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 
 from taskplatform import ledger
@@ -19,6 +17,7 @@ from taskplatform.exceptions import IllegalTransitionError, LedgerError, StaleEx
 from taskplatform.models import EventKind, Execution, ExecutionEvent
 from taskplatform.rescuer import run_rescuer
 from taskplatform.states import State
+from tests.helpers import race
 
 pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
 
@@ -93,26 +92,13 @@ def test_a_finished_execution_is_never_claimed_again():
 def test_only_one_of_many_concurrent_claims_wins():
     """Eight connections race to claim the same row: exactly one compare-and-set succeeds."""
     execution = new("race")
-    barrier = threading.Barrier(8)
-    outcomes: list[str] = []
-    errors: list[BaseException] = []
 
-    def contender(i: int) -> None:
-        try:
-            loaded = ledger.get(execution.pk)
-            barrier.wait(timeout=30)
-            outcomes.append(claim(loaded, worker=f"node-{i}:{i}").outcome)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-        finally:
-            connection.close()
+    def contender(i: int, start) -> str:
+        loaded = ledger.get(execution.pk)  # every contender saw the row PENDING
+        start()
+        return claim(loaded, worker=f"node-{i}:{i}").outcome
 
-    threads = [threading.Thread(target=contender, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    outcomes = race(8, contender)
     assert sorted(outcomes) == ["claimed"] + ["duplicate"] * 7
     row = Execution.objects.get(pk=execution.pk)
     assert (row.attempts, row.fencing_token) == (1, 1)

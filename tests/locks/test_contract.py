@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 from taskplatform.backends.base import Lease
-from tests.helpers import wait_for
+from tests.helpers import race, wait_for
 
 
 def test_a_free_lock_is_granted_with_a_positive_token(backend, lock_name):
@@ -24,29 +23,11 @@ def test_a_held_lock_is_refused_to_everyone_else(backend, lock_name):
 
 
 def test_only_one_of_many_concurrent_contenders_wins(backend, lock_name):
-    from django.db import connection
+    def contend(i: int, start) -> Lease | None:
+        start()
+        return backend.acquire(lock_name, 10, identity=f"c{i}")
 
-    barrier = threading.Barrier(6)
-    grants: list[Lease] = []
-    errors: list[BaseException] = []
-
-    def contend(i: int) -> None:
-        try:
-            barrier.wait(timeout=30)
-            lease = backend.acquire(lock_name, 10, identity=f"c{i}")
-            if lease is not None:
-                grants.append(lease)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=contend, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    grants = [lease for lease in race(6, contend) if lease is not None]
     assert len(grants) == 1
 
 
