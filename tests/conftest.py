@@ -159,7 +159,7 @@ def test_database_url() -> str:
 
 @dataclass
 class Worker:
-    """A real ``celery worker`` process started by a test."""
+    """A real ``celery worker`` (or ``celery beat``) process started by a test."""
 
     name: str
     proc: subprocess.Popen[bytes]
@@ -260,6 +260,55 @@ def workers(transactional_db: None, tmp_path: Path) -> Iterator[WorkerFactory]:
         require_service("Redis", parsed.hostname or "127.0.0.1", parsed.port or 6379)
         redis_flushdb(url)
     factory = WorkerFactory(tmp_path)
+    yield factory
+    factory.stop_all()
+
+
+class BeatFactory:
+    """Real ``celery beat`` processes running ``LockedScheduler`` against the test database."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.beats: list[Worker] = []
+
+    def start(self, *, env: dict[str, str] | None = None, broker: str | None = None) -> Worker:
+        name = f"beat{len(self.beats) + 1}-{uuid.uuid4().hex[:6]}"
+        logfile = self.tmp_path / f"{name}.log"
+        full_env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "config.settings.test",
+            "DATABASE_URL": test_database_url(),
+            "CELERY_BROKER_URL": broker or broker_url(),
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        cmd = [
+            sys.executable, "-m", "celery", "-A", "config", "beat", "-S", "taskplatform.beat.LockedScheduler",
+            "--loglevel", "INFO", "-f", str(logfile), "--pidfile=",
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=self.tmp_path, env={**full_env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+            stderr=(self.tmp_path / f"{name}.err").open("wb"), start_new_session=True,
+        )  # fmt: skip
+        beat = Worker(name=name, proc=proc, logfile=logfile, env=full_env)
+        self.beats.append(beat)
+        return beat
+
+    def err(self, beat: Worker) -> str:
+        return (self.tmp_path / f"{beat.name}.err").read_text(errors="replace")
+
+    def by_pid(self, pid: int) -> Worker:
+        return next(b for b in self.beats if b.pid == pid)
+
+    def stop_all(self) -> None:
+        for beat in self.beats:
+            beat.stop()
+
+
+@pytest.fixture
+def beats(transactional_db: None, tmp_path: Path) -> Iterator[BeatFactory]:
+    """Start real beat subprocesses against the test database; all stopped afterwards."""
+    factory = BeatFactory(tmp_path)
     yield factory
     factory.stop_all()
 

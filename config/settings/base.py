@@ -26,6 +26,11 @@ def env_bool(name: str, default: bool) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
+def env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else float(value)
+
+
 def env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return default if value in (None, "") else int(value)
@@ -162,16 +167,21 @@ CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 # Without this, Celery's Django fix-up closes the DB connection before and after every task.
 CELERY_DB_REUSE_MAX = 1000
 CELERY_TIMEZONE = "UTC"
-CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
-CELERY_BEAT_SCHEDULE = {
-    "taskplatform-rescue": {
-        "task": "taskplatform.rescue",
-        "schedule": float(env_int("TASKPLATFORM_RESCUE_INTERVAL_SECONDS", 10)),
-        "options": {"expires": env_int("TASKPLATFORM_RESCUE_INTERVAL_SECONDS", 10)},
-    },
-}
+# Several beats may run: one leads (lease on the lock backend), the others stand by. The
+# leader also runs the rescuer and ledger pruning, so no beat entry is needed for them.
+CELERY_BEAT_SCHEDULER = "taskplatform.beat.LockedScheduler"
+CELERY_BEAT_SCHEDULE: dict[str, Any] = {}
 
 # --- taskplatform (see platform/src/taskplatform/conf.py for every key) ------------------------
 
 TASKPLATFORM_LEASE_SECONDS = env_int("TASKPLATFORM_LEASE_SECONDS", 60)
 TASKPLATFORM_RESCUE_INTERVAL_SECONDS = env_int("TASKPLATFORM_RESCUE_INTERVAL_SECONDS", 10)
+TASKPLATFORM_LOCK_URL = os.environ.get("TASKPLATFORM_LOCK_URL", "db://")
+TASKPLATFORM_RETENTION_DAYS = env_int("TASKPLATFORM_RETENTION_DAYS", 30)
+# The beat's timing (seconds); LockedScheduler refuses to start on values that cannot work.
+TASKPLATFORM_BEAT_LEASE_SECONDS = env_float("TASKPLATFORM_BEAT_LEASE_SECONDS", 6.0)
+TASKPLATFORM_BEAT_TICK_SECONDS = env_float("TASKPLATFORM_BEAT_TICK_SECONDS", 1.0)
+TASKPLATFORM_BEAT_STEP_DOWN_SECONDS = env_float("TASKPLATFORM_BEAT_STEP_DOWN_SECONDS", 2.0)
+TASKPLATFORM_BEAT_SYNC_SECONDS = env_float("TASKPLATFORM_BEAT_SYNC_SECONDS", 5.0)
+TASKPLATFORM_BEAT_MISFIRE_GRACE_SECONDS = env_float("TASKPLATFORM_BEAT_MISFIRE_GRACE_SECONDS", 60.0)
+TASKPLATFORM_BEAT_CATCH_UP_WINDOW_SECONDS = env_float("TASKPLATFORM_BEAT_CATCH_UP_WINDOW_SECONDS", 3600.0)

@@ -25,10 +25,4 @@ def _local_secret_key() -> str:
 SECRET_KEY = _local_secret_key()
 DEBUG = True
 
-# Demo jobs so a fresh `make run` shows work flowing through the ledger.
-CELERY_BEAT_SCHEDULE.update(  # noqa: F405
-    {
-        "demo-ping": {"task": "taskplatform.trigger_job", "schedule": 15.0, "args": ["demo-ping"]},
-        "demo-flaky-sync": {"task": "taskplatform.trigger_job", "schedule": 30.0, "args": ["demo-flaky-sync"]},
-    }
-)
+# The demo jobs' schedules are created by `manage.py bootstrap_demo` (see tasks/).

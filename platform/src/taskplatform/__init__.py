@@ -13,15 +13,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["submit"]
+__all__ = ["schedule_job", "submit"]
 
 if TYPE_CHECKING:
-    from .api import submit
+    from .api import schedule_job, submit
 
 
 def __getattr__(name: str) -> Any:
-    if name == "submit":
-        from .api import submit
+    if name in __all__:
+        from . import api
 
-        return submit
+        return getattr(api, name)
     raise AttributeError(f"module 'taskplatform' has no attribute {name!r}")

@@ -18,6 +18,7 @@ from .validation import check_idempotency_key, encode_arguments, resolve_task
 
 if TYPE_CHECKING:
     from celery import Task
+    from django_celery_beat.models import PeriodicTask
 
     from .models import Execution
 
@@ -34,6 +35,7 @@ def submit(
     priority: int | None = None,
     on_commit: bool = True,
     trigger: str = Trigger.API,
+    slot: datetime | None = None,
 ) -> Execution:
     """Record an execution in the ledger and publish it once the transaction commits.
 
@@ -45,6 +47,9 @@ def submit(
 
     Invalid input raises a ``SubmissionError`` subclass and records nothing. A broker that
     is down does not fail the call: the row waits and the rescuer publishes it.
+
+    ``slot`` is the schedule slot a beat publication is for; it is recorded as the
+    execution's ``scheduled_for`` (its lateness is ``created_at - scheduled_for``).
     """
     job: JobDefinition | None = None
     if isinstance(task_or_name, JobDefinition):
@@ -69,10 +74,10 @@ def submit(
 
     now = timezone.now()
     delay = max(0.0, (eta - now).total_seconds()) if eta is not None else max(0.0, float(countdown or 0))
-    scheduled_for = now + timedelta(seconds=delay) if delay else None
+    scheduled_for = now + timedelta(seconds=delay) if delay else slot
     on_broker = delay <= platform_settings().max_broker_countdown_seconds
     task_id = new_task_id() if on_broker else ""
-    start = scheduled_for or now
+    start = now + timedelta(seconds=delay) if delay else now
     spec = ledger.NewExecution(
         idempotency_key=key,
         task_name=task.name,
@@ -102,3 +107,71 @@ def submit(
         else:
             publish(execution, task_id=task_id, countdown=delay or None)
     return execution
+
+
+def schedule_job(
+    job: JobDefinition,
+    *,
+    cron: str | None = None,
+    timezone_name: str = "UTC",
+    every_seconds: int | None = None,
+    start: datetime | None = None,
+    at: datetime | None = None,
+) -> PeriodicTask:
+    """Give ``job`` a schedule (exactly one of ``cron``, ``every_seconds``, ``at``).
+
+    The schedule lives in django-celery-beat's tables (a ``PeriodicTask`` named after the
+    job that triggers ``taskplatform.trigger_job(slug)``, so plain beat works too) and is
+    linked to the job. ``cron`` is five fields, ``"minute hour day-of-month month
+    day-of-week"``, read in ``timezone_name`` (an IANA name). ``every_seconds`` counts from
+    ``start`` (else the Unix epoch); ``at`` is a one-off time. A malformed expression or
+    an unknown time zone raises ``ConfigurationError`` and saves nothing.
+    """
+    from django.db import transaction
+    from django_celery_beat.models import ClockedSchedule, CrontabSchedule, IntervalSchedule, PeriodicTask
+
+    from .exceptions import ConfigurationError
+    from .slots import Crontab
+
+    if sum(x is not None for x in (cron, every_seconds, at)) != 1:
+        raise ConfigurationError("give exactly one of cron, every_seconds and at")
+    fields: dict[str, Any] = {"interval": None, "crontab": None, "clocked": None, "solar": None, "one_off": False}
+    with transaction.atomic():
+        if cron is not None:
+            parts = cron.split()
+            if len(parts) != 5:
+                raise ConfigurationError(f"a cron expression has 5 fields, not {len(parts)}: {cron!r}")
+            minute, hour, dom, month, dow = parts
+            Crontab(minute, hour, dom, month, dow, timezone_name)  # validates, raises ConfigurationError
+            fields["crontab"], _ = CrontabSchedule.objects.get_or_create(
+                minute=minute, hour=hour, day_of_month=dom, month_of_year=month, day_of_week=dow,
+                timezone=timezone_name,
+            )  # fmt: skip
+        elif every_seconds is not None:
+            if every_seconds <= 0:
+                raise ConfigurationError(f"every_seconds must be positive, not {every_seconds!r}")
+            fields["interval"], _ = IntervalSchedule.objects.get_or_create(
+                every=every_seconds, period=IntervalSchedule.SECONDS
+            )
+        else:
+            assert at is not None
+            if timezone.is_naive(at):
+                raise ConfigurationError("at must be a timezone-aware datetime")
+            fields["clocked"], _ = ClockedSchedule.objects.get_or_create(clocked_time=at)
+            fields["one_off"] = True
+        periodic, _ = PeriodicTask.objects.update_or_create(
+            name=f"job:{job.slug}",
+            defaults={
+                **fields,
+                "task": "taskplatform.trigger_job",
+                "args": f'["{job.slug}"]',
+                "kwargs": "{}",
+                "start_time": start,
+                "enabled": True,
+                "description": f"Schedule of job {job.slug} (taskplatform).",
+            },
+        )
+        if job.periodic_task_id != periodic.pk:
+            job.periodic_task = periodic
+            job.save(update_fields=["periodic_task", "updated_at"])
+    return periodic

@@ -133,3 +133,22 @@ def check_lock_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
             errors.append(Error(f"lock backend {alias!r}: {problem}", id="taskplatform.E021"))
         backend.close()
     return errors
+
+
+@register("taskplatform")
+def check_beat(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The beat's lease, tick, step-down and sync timings fit together (LockedScheduler refuses them too)."""
+    from .beat import configuration_problems
+
+    errors: list[CheckMessage] = [Error(p, id="taskplatform.E030") for p in configuration_problems(platform_settings())]
+    conf = platform_settings()
+    failover = conf.beat_lease_seconds + conf.beat_tick_seconds
+    if not errors and failover > 10:
+        errors.append(
+            Warning(
+                f"beat failover can take up to {failover:g} s (lease + tick), above the 10 s target",
+                hint="Lower TASKPLATFORM_BEAT_LEASE_SECONDS (keep it at least 3 ticks).",
+                id="taskplatform.W031",
+            )
+        )
+    return errors

@@ -51,6 +51,35 @@ class PlatformSettings:
     #: ``db://``, ``redis://h:6379/0``, ``redis-cluster://h:7000``, ``redlock://h1:p1,h2:p2,h3:p3``.
     lock_url: str = "db://"
 
+    # --- the beat (taskplatform.beat.LockedScheduler) ---
+    #: Lock backend alias the beat leader's lease is held on.
+    beat_lock_alias: str = "default"
+    #: Name of the beat leader's lease (one name per group of beats that share a schedule).
+    beat_lock_name: str = "taskplatform.beat"
+    #: The leader's lease, in seconds. A follower takes over within about this plus one tick
+    #: of the leader's death.
+    beat_lease_seconds: float = 6.0
+    #: Longest sleep between two ticks, in seconds: the leader renews its lease every tick
+    #: and followers try to acquire it every tick.
+    beat_tick_seconds: float = 1.0
+    #: A leader stops publishing when its lease has less than this many seconds left (it
+    #: could not renew): the time one tick's publication may take.
+    beat_step_down_seconds: float = 2.0
+    #: How often the leader re-reads the schedule tables, in seconds (edits, bulk
+    #: ``update()`` included, apply within this).
+    beat_sync_seconds: float = 5.0
+    #: A slot published less than this late is on time (a failover gap); older unpublished
+    #: slots were missed and the job's misfire policy decides.
+    beat_misfire_grace_seconds: float = 60.0
+    #: Default look-back of the ``catch_up`` misfire policy, in seconds.
+    beat_catch_up_window_seconds: float = 3600.0
+    #: Most slots one publication transaction holds (larger backlogs take several).
+    beat_batch_size: int = 500
+    #: Terminal executions older than this many days are deleted by the beat leader (0: keep).
+    retention_days: int = 30
+    #: How often the beat leader prunes the ledger, in seconds.
+    prune_interval_seconds: int = 3600
+
 
 _FIELD_NAMES = {f.name for f in fields(PlatformSettings)}
 

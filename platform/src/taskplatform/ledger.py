@@ -639,3 +639,29 @@ def operator_transition(
         if task_id:
             publish_on_commit(execution, task_id=task_id, countdown=None)
     return execution
+
+
+# --- retention ---------------------------------------------------------------------------------
+
+#: States whose rows the retention prunes. Dead letters (``FAILED``) wait for an operator.
+PRUNABLE_STATES = (State.SUCCEEDED, State.CANCELLED)
+
+
+def prune(older_than: datetime, *, batch_size: int = 1000) -> int:
+    """Delete succeeded and cancelled executions finished before ``older_than``, events included.
+
+    One batch per call (oldest first), so a large backlog is worked off over several
+    maintenance passes without a long transaction. Returns how many executions went.
+    """
+    ids = list(
+        Execution.objects.filter(state__in=PRUNABLE_STATES, finished_at__lt=older_than)
+        .order_by("finished_at")
+        .values_list("pk", flat=True)[:batch_size]
+    )
+    if not ids:
+        return 0
+    with transaction.atomic():
+        ExecutionEvent.objects.filter(execution_id__in=ids).delete()
+        deleted, _ = Execution.objects.filter(pk__in=ids, state__in=PRUNABLE_STATES).delete()
+    log.info("pruned %d executions finished before %s", deleted, older_than.isoformat())
+    return deleted

@@ -14,6 +14,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from .exceptions import ConfigurationError, SubmissionError
+from .slots import MisfirePolicy
 from .states import State
 
 
@@ -105,6 +106,26 @@ class JobDefinition(models.Model):
         help_text="Lease a worker holds while running (renewed every third). Empty: the platform default.",
     )
     enabled = models.BooleanField(default=True, help_text="Paused jobs are not triggered by the schedule.")
+    periodic_task = models.OneToOneField(
+        "django_celery_beat.PeriodicTask",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="job",
+        help_text="The schedule (django-celery-beat): crontab in a time zone, interval or one-off time.",
+    )
+    misfire_policy = models.CharField(
+        max_length=16,
+        choices=[(p.value, p.value) for p in MisfirePolicy],
+        default=MisfirePolicy.RUN_ONCE,
+        help_text="Slots missed while no beat ran: skip them, run once for the window, or catch up each.",
+    )
+    catch_up_window_seconds = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(31 * 86_400)],
+        help_text="catch_up only: how far back missed slots are still run. Empty: the platform default.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -257,3 +278,61 @@ class LockLease(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.owner or 'free'})"
+
+
+class ScheduleCursor(models.Model):
+    """Per schedule entry: the latest slot the beat leader has accounted for.
+
+    Written in the same transaction as the executions of those slots, so a new leader
+    resumes exactly where the last one stopped and knows which slots were missed while no
+    beat ran (the misfire policies act on those).
+    """
+
+    name = models.CharField(max_length=200, unique=True, help_text="The django-celery-beat PeriodicTask name.")
+    last_slot = models.DateTimeField()
+    fencing_token = models.BigIntegerField(default=0, help_text="The leader's token that moved the cursor last.")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} @ {self.last_slot.isoformat()}"
+
+
+class SchedulerFence(models.Model):
+    """The highest beat-leader fencing token that has published, per scheduler lock.
+
+    Every publication transaction raises it to the leader's token and aborts if it is
+    already higher: a leader that was paused past its lease, woke up and has not yet
+    noticed can no longer publish once its successor has.
+    """
+
+    name = models.CharField(max_length=200, unique=True)
+    fencing_token = models.BigIntegerField(default=0)
+    leader = models.CharField(max_length=255, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.name} ≥ {self.fencing_token}"
+
+
+class BeatProcess(models.Model):
+    """One beat process, as it last reported itself (``taskplatform status``, the admin)."""
+
+    identity = models.CharField(max_length=255, unique=True, help_text="host:pid#random of the process.")
+    lock_name = models.CharField(max_length=200)
+    is_leader = models.BooleanField(default=False)
+    fencing_token = models.BigIntegerField(default=0, help_text="Its lease's token while it leads.")
+    lease_expires_at = models.DateTimeField(null=True, blank=True, help_text="Its lease's expiry, if it leads.")
+    started_at = models.DateTimeField()
+    last_seen_at = models.DateTimeField()
+    entries = models.PositiveIntegerField(default=0, help_text="Schedule entries it has loaded.")
+    published = models.PositiveIntegerField(default=0, help_text="Slots it published while leading.")
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-is_leader", "identity"]
+
+    def __str__(self) -> str:
+        return f"{self.identity} ({'leader' if self.is_leader else 'follower'})"

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 
+from taskplatform import schedule_job
 from taskplatform.models import JobDefinition
 
 
@@ -23,11 +24,11 @@ class Command(BaseCommand):
             user_model.objects.create_superuser("admin", "admin@example.invalid", password)
             credentials.write_text(f"username: admin\npassword: {password}\n")
             credentials.chmod(0o600)
-        JobDefinition.objects.get_or_create(
+        ping, _ = JobDefinition.objects.get_or_create(
             slug="demo-ping",
             defaults={"task": "tasks.ping", "args": ["beat"], "description": "Demo: a job that always works."},
         )
-        JobDefinition.objects.get_or_create(
+        flaky, _ = JobDefinition.objects.get_or_create(
             slug="demo-flaky-sync",
             defaults={
                 "task": "tasks.flaky_sync",
@@ -36,4 +37,8 @@ class Command(BaseCommand):
                 "description": "Demo: fails 60 % of the time; retries with backoff, then dead-letters.",
             },
         )
+        if ping.periodic_task_id is None:
+            schedule_job(ping, every_seconds=15)
+        if flaky.periodic_task_id is None:
+            schedule_job(flaky, cron="* * * * *", timezone_name="Europe/Berlin")
         self.stdout.write(credentials.read_text() if credentials.exists() else "admin user exists\n")

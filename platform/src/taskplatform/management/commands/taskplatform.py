@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
@@ -19,7 +20,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True)
-        status = sub.add_parser("status", help="Executions per state, dead letters, stale rows.")
+        status = sub.add_parser(
+            "status", help="Beat leader, lease and followers; due and late slots; executions per state."
+        )
         status.add_argument("--json", action="store_true", help="Machine-readable output.")
         sub.add_parser("rescue", help="Run one rescuer pass now.")
         sub.add_parser("states", help="Print the states and transitions table (Markdown).")
@@ -33,17 +36,17 @@ class Command(BaseCommand):
         elif action == "status":
             data = status_data()
             if options["json"]:
-                self.stdout.write(json.dumps(data, indent=2))
+                self.stdout.write(json.dumps(data, indent=2, default=str))
             else:
-                for key, value in data.items():
-                    self.stdout.write(f"{key}: {value}")
+                self.stdout.write(status_text(data))
 
 
 def status_data() -> dict[str, Any]:
-    """Counts per state, dead letters and rows the rescuer should be looking at."""
+    """The beat's leadership and schedule, counts per state, and rows the rescuer should see."""
     now = timezone.now()
     counts = {row["state"]: row["n"] for row in Execution.objects.values("state").annotate(n=Count("id"))}
     return {
+        "beat": beat_status(now),
         "executions": {state.value: counts.get(state.value, 0) for state in State},
         "dead_letters": counts.get(State.FAILED.value, 0),
         "expired_leases": Execution.objects.filter(state=State.RUNNING, lease_expires_at__lt=now).count(),
@@ -61,4 +64,96 @@ def states_markdown() -> str:
     for tr in TRANSITIONS:
         actors = ", ".join(sorted(a.value for a in tr.actors))
         lines.append(f"| `{tr.source.value}` | `{tr.target.value}` | {tr.name} | {actors} | {tr.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def beat_status(now: datetime) -> dict[str, Any]:
+    """Who leads the beat (as the lock backend and the fence say), who follows, what is due."""
+    from celery import current_app
+
+    from ...backends import get_lock_backend
+    from ...beat import ScheduleTable
+    from ...conf import platform_settings
+    from ...models import BeatProcess, SchedulerFence
+
+    conf = platform_settings()
+    lock: dict[str, Any] = {"name": conf.beat_lock_name, "backend": conf.beat_lock_alias}
+    try:
+        backend = get_lock_backend(conf.beat_lock_alias)
+        lock["backend"] = f"{conf.beat_lock_alias} ({type(backend).__name__})"
+        info = backend.inspect(conf.beat_lock_name)
+        if info is not None:
+            lock.update(holder=info.owner, fencing_token=info.token, expires_at=info.expires_at)
+            lock["ttl_remaining_seconds"] = info.ttl_remaining_seconds
+    except Exception as exc:  # an unreachable lock server is itself the status to report
+        lock["error"] = str(exc)
+    fence = SchedulerFence.objects.filter(name=conf.beat_lock_name).first()
+    processes = [
+        {
+            "identity": p.identity,
+            "role": "leader" if p.is_leader else ("stopped" if p.stopped_at else "follower"),
+            "last_seen_seconds_ago": round((now - p.last_seen_at).total_seconds(), 1),
+            "fencing_token": p.fencing_token or None,
+            "lease_expires_at": p.lease_expires_at,
+            "published": p.published,
+            "started_at": p.started_at,
+        }
+        for p in BeatProcess.objects.filter(lock_name=conf.beat_lock_name)
+        if p.stopped_at is None or (now - p.stopped_at).total_seconds() < 3600
+    ]
+    table = ScheduleTable(conf, current_app)
+    table.load(now, first=True)
+    upcoming = []
+    late = []
+    for name, entry in sorted(table.entries.items()):
+        cursor = table.cursors.get(name, now)
+        slot = entry.next_slot(cursor)
+        if slot is None or not entry.active:
+            continue
+        lateness = (now - slot).total_seconds()
+        item = {"entry": name, "slot": slot, "policy": entry.policy.value}
+        if lateness > conf.beat_tick_seconds * 2:
+            late.append({**item, "late_seconds": round(lateness, 1)})
+        else:
+            upcoming.append(item)
+    upcoming.sort(key=lambda item: str(item["slot"]))
+    return {
+        "lock": lock,
+        "leader": lock.get("holder"),
+        "fence": {"leader": fence.leader, "fencing_token": fence.fencing_token} if fence else None,
+        "processes": processes,
+        "entries": len(table.entries),
+        "broken_entries": table.broken,
+        "next_due": upcoming[:10],
+        "late": late,
+    }
+
+
+def status_text(data: dict[str, Any]) -> str:
+    beat = data["beat"]
+    lock = beat["lock"]
+    lines = [f"beat lock {lock['name']} on {lock['backend']}"]
+    if "error" in lock:
+        lines.append(f"  lock backend unreachable: {lock['error']}")
+    elif lock.get("holder"):
+        lines.append(
+            f"  leader {lock['holder']}  token {lock.get('fencing_token')}  "
+            f"expires in {lock.get('ttl_remaining_seconds') or 0:.1f} s"
+        )
+    else:
+        lines.append("  no leader")
+    for p in beat["processes"]:
+        lines.append(f"  {p['role']:<8} {p['identity']}  last seen {p['last_seen_seconds_ago']} s ago")
+    lines.append(f"schedule: {beat['entries']} entries, {len(beat['late'])} late")
+    for item in beat["late"]:
+        lines.append(f"  LATE {item['entry']} slot {item['slot']:%Y-%m-%dT%H:%M:%SZ} ({item['late_seconds']} s)")
+    for item in beat["next_due"]:
+        lines.append(f"  next {item['entry']} at {item['slot']:%Y-%m-%dT%H:%M:%SZ}")
+    for name, problem in beat["broken_entries"].items():
+        lines.append(f"  BROKEN {name}: {problem}")
+    lines.append("executions: " + ", ".join(f"{k} {v}" for k, v in data["executions"].items()))
+    lines.append(
+        f"dead letters {data['dead_letters']}, expired leases {data['expired_leases']}, "
+        f"overdue unclaimed {data['overdue_unclaimed']}"
+    )
     return "\n".join(lines) + "\n"

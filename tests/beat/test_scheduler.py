@@ -1,0 +1,298 @@
+"""LockedScheduler in this process, against the real database and lock backend.
+
+These drive the scheduler's own ``tick()`` loop (sleeping the interval it returns, as
+``celery beat`` does) to pin the rules that need no process boundary: one leader, slot
+keys, the fence against a stale leader, schedule edits picked up within one sync, misfire
+policies from a cursor, broken entries isolated, maintenance run by the leader. The
+multi-process and fault behaviour is in ``test_ha.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.test import override_settings
+from django.utils import timezone
+from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
+
+from config.celery_app import app as celery_app
+from taskplatform import schedule_job
+from taskplatform.backends import get_lock_backend
+from taskplatform.beat import FencedOff, LockedScheduler
+from taskplatform.exceptions import ConfigurationError
+from taskplatform.models import Execution, JobDefinition, ScheduleCursor, SchedulerFence
+from taskplatform.slots import format_slot
+from tests.conftest import broker_url, redis_flushdb
+from tests.helpers import event_kinds
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FAST = {
+    "TASKPLATFORM_BEAT_SYNC_SECONDS": 1.0,
+    "TASKPLATFORM_BEAT_TICK_SECONDS": 0.5,
+    "TASKPLATFORM_BEAT_LEASE_SECONDS": 3.0,
+    "TASKPLATFORM_BEAT_STEP_DOWN_SECONDS": 1.0,
+    "TASKPLATFORM_BEAT_MISFIRE_GRACE_SECONDS": 60.0,
+}
+
+
+@pytest.fixture
+def schedulers() -> Iterator[Callable[[], LockedScheduler]]:
+    """Build LockedSchedulers in this process; each is closed (lease released) afterwards."""
+    redis_flushdb(broker_url())  # the publications land on the test broker; nobody consumes them
+    made: list[LockedScheduler] = []
+
+    def make() -> LockedScheduler:
+        scheduler = LockedScheduler(app=celery_app)
+        made.append(scheduler)
+        return scheduler
+
+    with override_settings(**FAST):
+        yield make
+    for scheduler in made:
+        scheduler.close()
+    get_lock_backend.cache_clear()
+
+
+def run_beat(*schedulers: LockedScheduler, seconds: float) -> None:
+    """Run the schedulers' own loops, interleaved, for ``seconds`` of wall time."""
+    deadline = time.monotonic() + seconds
+    wake = dict.fromkeys(schedulers, 0.0)
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        for scheduler in schedulers:
+            if wake[scheduler] <= now:
+                wake[scheduler] = now + scheduler.tick()
+        time.sleep(max(0.0, min(min(wake.values()), deadline) - time.monotonic()))
+
+
+def keys(slug: str) -> list[str]:
+    rows = Execution.objects.filter(idempotency_key__startswith=f"{slug}@")
+    return sorted(rows.values_list("idempotency_key", flat=True))
+
+
+def every_second_job(slug: str, **fields: object) -> JobDefinition:
+    job = JobDefinition.objects.create(slug=slug, task="testapp.effect", **fields)
+    schedule_job(job, every_seconds=1)
+    return job
+
+
+def test_one_leader_publishes_every_slot_once_keyed_by_its_time(schedulers: Callable[[], LockedScheduler]) -> None:
+    every_second_job("tick")
+    a, b = schedulers(), schedulers()
+    run_beat(a, b, seconds=4.2)
+    leaders = [s for s in (a, b) if s.leadership.lease is not None]
+    assert len(leaders) == 1
+    published = keys("tick")
+    assert 3 <= len(published) <= 5
+    slots = [Execution.objects.get(idempotency_key=k).scheduled_for for k in published]
+    assert all(s is not None and s.microsecond == 0 for s in slots)
+    assert [(b_ - a_).total_seconds() for a_, b_ in itertools.pairwise(slots)] == [1.0] * (len(slots) - 1)
+    assert published == [f"tick@{format_slot(s)}" for s in slots]  # type: ignore[arg-type]
+    assert {e.trigger for e in Execution.objects.all()} == {"beat"}
+    fence = SchedulerFence.objects.get()
+    assert fence.leader == leaders[0].leadership.lease.owner  # type: ignore[union-attr]
+
+
+def test_a_stale_leader_is_fenced_off(schedulers: Callable[[], LockedScheduler]) -> None:
+    """A leader paused between its renewal and its publication wakes up after a successor
+    took over: its publication transaction is refused and records nothing."""
+    every_second_job("fenced")
+    a, b = schedulers(), schedulers()
+    run_beat(a, seconds=1.5)
+    assert a.leadership.lease is not None
+    before = keys("fenced")
+    # A "pauses": its lease is taken from it (as expiry would) and B takes over.
+    get_lock_backend().force_release(a.conf.beat_lock_name)
+    run_beat(b, seconds=1.2)
+    assert b.leadership.lease is not None and b.leadership.token > a.leadership.token
+    taken_over = keys("fenced")
+    # A wakes up believing it still leads (its local lease has not run out) and publishes.
+    assert a.leadership.may_publish()
+    with pytest.raises(FencedOff):
+        a._publish_due(timezone.now() + timedelta(seconds=5))
+    assert keys("fenced") == taken_over
+    assert set(before) <= set(taken_over)
+    # On its next tick A notices it lost the lease and follows.
+    a.tick()
+    assert a.leadership.lease is None and not a._leading
+
+
+def test_bulk_update_of_the_schedule_is_picked_up_within_one_sync(schedulers: Callable[[], LockedScheduler]) -> None:
+    """django-celery-beat#694: ``QuerySet.update()`` sends no signal, yet the leader sees it."""
+    job = every_second_job("edited")
+    leader = schedulers()
+    run_beat(leader, seconds=1.5)
+    assert keys("edited")
+    IntervalSchedule.objects.filter(pk=job.periodic_task.interval_id).update(every=3)  # type: ignore[union-attr]
+    run_beat(leader, seconds=1.2)  # one sync interval (1 s) and a tick
+    edited_at = timezone.now()
+    run_beat(leader, seconds=7)
+    later = Execution.objects.filter(idempotency_key__startswith="edited@", scheduled_for__gt=edited_at)
+    slots = sorted(later.values_list("scheduled_for", flat=True))
+    assert 2 <= len(slots) <= 3
+    assert all(s.timestamp() % 3 == 0 for s in slots)  # the new grid: epoch + k·3 s
+
+    PeriodicTask.objects.filter(pk=job.periodic_task_id).update(enabled=False)
+    run_beat(leader, seconds=1.2)
+    disabled_at = timezone.now()
+    run_beat(leader, seconds=3.5)
+    assert not Execution.objects.filter(idempotency_key__startswith="edited@", created_at__gt=disabled_at).exists()
+
+
+def test_pausing_a_job_stops_it_and_resuming_does_not_replay_the_pause(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    job = every_second_job("paused")
+    leader = schedulers()
+    run_beat(leader, seconds=1.5)
+    JobDefinition.objects.filter(pk=job.pk).update(enabled=False)  # bulk: no signal
+    run_beat(leader, seconds=1.2)
+    paused_at = timezone.now()
+    run_beat(leader, seconds=2.5)
+    assert not Execution.objects.filter(idempotency_key__startswith="paused@", created_at__gt=paused_at).exists()
+    JobDefinition.objects.filter(pk=job.pk).update(enabled=True)
+    resumed = timezone.now()
+    run_beat(leader, seconds=2.5)
+    after = Execution.objects.filter(idempotency_key__startswith="paused@", created_at__gt=paused_at)
+    assert after.exists()
+    assert all(s >= resumed - timedelta(seconds=1) for s in after.values_list("scheduled_for", flat=True))
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        ("skip", "no slot of the missed window, only the slot due within the grace period"),
+        ("run_once", "one execution for the whole missed window"),
+        ("catch_up", "every missed slot back to the catch-up window"),
+    ],
+)
+def test_misfire_policy_after_downtime(schedulers: Callable[[], LockedScheduler], policy: str, expected: str) -> None:
+    """The last leader stopped 30 minutes ago at a per-minute job's slot; a new leader starts."""
+    job = JobDefinition.objects.create(
+        slug=f"m-{policy}", task="testapp.effect", misfire_policy=policy, catch_up_window_seconds=600
+    )
+    schedule_job(job, every_seconds=60)
+    now = timezone.now()
+    last_slot = now.replace(second=0, microsecond=0) - timedelta(minutes=30)
+    ScheduleCursor.objects.create(name=f"job:{job.slug}", last_slot=last_slot)
+    with override_settings(TASKPLATFORM_BEAT_MISFIRE_GRACE_SECONDS=90.0):
+        leader = schedulers()
+        run_beat(leader, seconds=1.0)
+    slots = sorted(Execution.objects.filter(job=job).values_list("scheduled_for", flat=True))
+    missed = [last_slot + timedelta(minutes=k) for k in range(1, 31)]
+    owed = [s for s in missed if s <= timezone.now()]
+    on_time = [s for s in owed if s >= now - timedelta(seconds=90)]
+    if policy == "skip":
+        assert slots == on_time, expected
+    elif policy == "run_once":
+        assert slots == [owed[-1]], expected
+    else:
+        assert slots == [s for s in owed if s >= now - timedelta(seconds=600)], expected
+        assert len(slots) >= 10
+    cursor = ScheduleCursor.objects.get(name=f"job:{job.slug}")
+    assert cursor.last_slot == owed[-1]
+
+
+def test_a_new_entry_does_not_run_its_past(schedulers: Callable[[], LockedScheduler]) -> None:
+    job = JobDefinition.objects.create(slug="fresh", task="testapp.effect")
+    schedule_job(job, cron="* * * * *", timezone_name="America/New_York")
+    leader = schedulers()
+    run_beat(leader, seconds=1.0)
+    assert not Execution.objects.filter(job=job).exists()
+    assert ScheduleCursor.objects.filter(name="job:fresh").exists()
+
+
+def test_a_broken_entry_is_reported_and_does_not_block_the_others(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    every_second_job("healthy")
+    bad = CrontabSchedule.objects.create(minute="0", hour="4")
+    CrontabSchedule.objects.filter(pk=bad.pk).update(minute="61")  # bulk update: bypasses validation
+    PeriodicTask.objects.create(name="broken", task="testapp.effect", crontab=bad)
+    leader = schedulers()
+    run_beat(leader, seconds=2.2)
+    assert keys("healthy")
+    assert leader.table is not None and "broken" in leader.table.broken
+    out = StringIO()
+    call_command("taskplatform", "status", "--json", stdout=out)
+    status = json.loads(out.getvalue())["beat"]
+    assert "broken" in status["broken_entries"]
+    assert status["leader"] == leader.leadership.lease.owner  # type: ignore[union-attr]
+    assert status["fence"]["fencing_token"] == leader.leadership.token
+    assert [p["role"] for p in status["processes"]] == ["leader"]
+
+
+def test_close_releases_the_lease_so_a_follower_takes_over_at_once(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    every_second_job("handover")
+    a, b = schedulers(), schedulers()
+    run_beat(a, b, seconds=1.2)
+    leader, follower = (a, b) if a.leadership.lease else (b, a)
+    leader.close()
+    assert get_lock_backend().inspect(leader.conf.beat_lock_name).owner is None  # type: ignore[union-attr]
+    follower.tick()
+    assert follower.leadership.lease is not None
+
+
+def test_the_leader_runs_the_rescuer_and_prunes_the_ledger(schedulers: Callable[[], LockedScheduler]) -> None:
+    now = timezone.now()
+    expired = Execution.objects.create(
+        idempotency_key="expired", task_name="testapp.effect", state="RUNNING", attempts=1, fencing_token=1,
+        lease_expires_at=now - timedelta(seconds=30), worker="elsewhere:1",
+    )  # fmt: skip
+    old = Execution.objects.create(
+        idempotency_key="old", task_name="testapp.effect", state="SUCCEEDED", finished_at=now - timedelta(days=40)
+    )
+    recent = Execution.objects.create(
+        idempotency_key="recent", task_name="testapp.effect", state="SUCCEEDED", finished_at=now - timedelta(days=1)
+    )
+    dead = Execution.objects.create(
+        idempotency_key="dead", task_name="testapp.effect", state="FAILED", finished_at=now - timedelta(days=40)
+    )
+    with override_settings(TASKPLATFORM_RESCUE_INTERVAL_SECONDS=1, TASKPLATFORM_PRUNE_INTERVAL_SECONDS=1):
+        leader = schedulers()
+        run_beat(leader, seconds=3.5)
+    assert "rescued" in event_kinds(expired.pk)
+    assert not Execution.objects.filter(pk=old.pk).exists()
+    assert Execution.objects.filter(pk__in=[recent.pk, dead.pk]).count() == 2
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"TASKPLATFORM_BEAT_LEASE_SECONDS": 2.0}, "Raise the lease to at least 3"),
+        ({"TASKPLATFORM_BEAT_STEP_DOWN_SECONDS": 5.5, "TASKPLATFORM_BEAT_LEASE_SECONDS": 6.0}, "step-down margin"),
+        ({"TASKPLATFORM_BEAT_SYNC_SECONDS": 0.5}, "SYNC_SECONDS=0.5 is below"),
+        ({"TASKPLATFORM_BEAT_MISFIRE_GRACE_SECONDS": 3.0}, "MISFIRE_GRACE_SECONDS=3 is shorter than a failover"),
+    ],
+)
+def test_misconfigured_timings_are_refused_with_what_to_change(settings: dict[str, float], message: str) -> None:
+    base = {"TASKPLATFORM_BEAT_TICK_SECONDS": 1.0, "TASKPLATFORM_BEAT_LEASE_SECONDS": 6.0}
+    with override_settings(**{**base, **settings}), pytest.raises(ImproperlyConfigured, match=message):
+        LockedScheduler(app=celery_app)
+
+
+def test_schedule_job_refuses_bad_input_and_saves_nothing() -> None:
+    job = JobDefinition.objects.create(slug="bad", task="testapp.effect")
+    for kwargs, message in [
+        ({"cron": "61 * * * *"}, "invalid crontab"),
+        ({"cron": "* * * *"}, "5 fields"),
+        ({"cron": "0 4 * * *", "timezone_name": "Mars/Olympus"}, "unknown time zone"),
+        ({"every_seconds": 0}, "positive"),
+        ({}, "exactly one"),
+    ]:
+        with pytest.raises(ConfigurationError, match=message):
+            schedule_job(job, **kwargs)  # type: ignore[arg-type]
+    assert not PeriodicTask.objects.exists() and not CrontabSchedule.objects.exists()
+    job.refresh_from_db()
+    assert job.periodic_task is None
