@@ -34,8 +34,8 @@ run: $(VENV)/.installed-local
 ## make test: lint, types, the whole suite on PostgreSQL, then the portable ledger tests on SQLite and MariaDB
 test: $(VENV)/.installed-test lint typecheck
 	$(BIN)/pytest
-	DATABASE_URL=sqlite:///$(CURDIR)/var/test-portable.sqlite3 $(BIN)/pytest -m portable tests/ledger tests/locks
-	DATABASE_URL=$(MARIADB_URL) $(BIN)/pytest -m portable tests/ledger tests/locks
+	DATABASE_URL=sqlite:///$(CURDIR)/var/test-portable.sqlite3 $(BIN)/pytest -m portable tests/ledger tests/locks tests/beat
+	DATABASE_URL=$(MARIADB_URL) $(BIN)/pytest -m portable tests/ledger tests/locks tests/beat
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

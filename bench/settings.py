@@ -21,3 +21,10 @@ BENCH_ONCE_REDIS_URL = os.environ.get("BENCH_ONCE_REDIS_URL", "redis://127.0.0.1
 if os.environ.get("BENCH_DB_REUSE_MAX") == "unset":  # Celery's out-of-the-box behaviour
     del CELERY_DB_REUSE_MAX  # noqa: F821
 LOGGING = {"version": 1, "disable_existing_loggers": False}
+# celery-redbeat (bench/beat.py): its own Redis database; lock timings from the environment
+# so the same settings serve its defaults and a tuned run.
+CELERY_REDBEAT_REDIS_URL = os.environ.get("BENCH_REDBEAT_REDIS_URL", "redis://127.0.0.1:6379/11")
+if os.environ.get("BENCH_REDBEAT_LOCK_TIMEOUT"):
+    CELERY_REDBEAT_LOCK_TIMEOUT = int(os.environ["BENCH_REDBEAT_LOCK_TIMEOUT"])
+if os.environ.get("BENCH_BEAT_MAX_LOOP_INTERVAL"):
+    CELERY_BEAT_MAX_LOOP_INTERVAL = int(os.environ["BENCH_BEAT_MAX_LOOP_INTERVAL"])

@@ -33,7 +33,7 @@ from taskplatform.slots import format_slot
 from tests.conftest import broker_url, redis_flushdb
 from tests.helpers import event_kinds
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
 
 FAST = {
     "TASKPLATFORM_BEAT_SYNC_SECONDS": 1.0,

@@ -40,7 +40,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import close_old_connections, connections, transaction
+from django.db import close_old_connections, connection, connections, transaction
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
@@ -645,10 +645,12 @@ class LockedScheduler(DatabaseScheduler):
                 self._write_cursors(resets, lease.token)
 
     def _write_cursors(self, cursors: Iterable[tuple[str, datetime]], token: int) -> None:
+        # MySQL/MariaDB upsert on any unique key and refuse a conflict target.
+        target = ["name"] if connection.features.supports_update_conflicts_with_target else None
         ScheduleCursor.objects.bulk_create(
             [ScheduleCursor(name=n, last_slot=s, fencing_token=token) for n, s in cursors],
             update_conflicts=True,
-            unique_fields=["name"],
+            unique_fields=target,
             update_fields=["last_slot", "fencing_token", "updated_at"],
         )
 

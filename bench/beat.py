@@ -1,0 +1,358 @@
+"""Beat schedulers compared in one run: start-up, tick cost, lateness, failover.
+
+    .venv/bin/python bench/beat.py [--jobs 1000,10000] [--seconds 30] [--failover-wait 60]
+
+Schedulers: django-celery-beat's ``DatabaseScheduler`` (dcb), celery-redbeat's
+``RedBeatScheduler`` (redbeat) and ``taskplatform.beat.LockedScheduler`` (locked).
+
+1. **Load.** For each scheduler and job count N: N entries due every 60 s, spread evenly
+   over the minute (N/60 publications per second are needed). The scheduler runs in this
+   process, driven as ``celery beat`` drives it (``tick()``, then sleep the interval it
+   returns), for ``--seconds``. Reported: start-up (construction and first tick), CPU used
+   per wall second, mean and p99 time of a tick, publications per second against the
+   rate needed (counted on the broker), and for ``locked`` the publication lateness
+   (ledger ``created_at - scheduled_for``, p50/p99).
+2. **Failover.** Two real ``celery beat`` processes, one 1-second entry; SIGKILL the leader;
+   the time until the survivor's first publication, and how many of the slots of the next
+   ``--failover-wait`` seconds reached the broker. redbeat with its defaults and tuned
+   (lock 10 s, loop 5 s, DESIGN.md §6), locked with its defaults. Also two dcb beats side
+   by side (no lock): how many messages per slot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+
+SCHEDULERS = {
+    "dcb": "django_celery_beat.schedulers:DatabaseScheduler",
+    "redbeat": "redbeat.RedBeatScheduler",
+    "locked": "taskplatform.beat.LockedScheduler",
+}
+QUEUE = "bench"
+
+
+def broker() -> Any:
+    import redis
+    from django.conf import settings
+
+    return redis.Redis.from_url(settings.CELERY_BROKER_URL)
+
+
+def published() -> int:
+    return int(broker().llen(QUEUE))
+
+
+def reset() -> None:
+    import redis
+    from django.conf import settings
+    from django.db import connection
+
+    broker().flushdb()
+    redis.Redis.from_url(settings.CELERY_REDBEAT_REDIS_URL).flushdb()
+    with connection.cursor() as cur:
+        cur.execute(
+            "TRUNCATE taskplatform_executionevent, taskplatform_execution, taskplatform_jobdefinition, "
+            "taskplatform_schedulecursor, taskplatform_schedulerfence, taskplatform_beatprocess, "
+            "taskplatform_locklease, django_celery_beat_periodictask, django_celery_beat_intervalschedule "
+            "RESTART IDENTITY CASCADE"
+        )
+
+
+def populate(kind: str, n: int, every: int) -> None:
+    """``n`` entries due every ``every`` seconds, spread evenly over one period."""
+    from celery import current_app
+    from celery.schedules import schedule
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    from taskplatform.models import JobDefinition
+
+    now = datetime.now(UTC)
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    offsets = [timedelta(seconds=every * i / n) for i in range(n)]
+    if kind == "redbeat":
+        from redbeat import RedBeatSchedulerEntry
+
+        for i, offset in enumerate(offsets):
+            RedBeatSchedulerEntry(
+                f"e{i}", "bench.plain_noop", schedule(every), args=[i], app=current_app,
+                last_run_at=now - offset,
+            ).save()  # fmt: skip
+        return
+    interval = IntervalSchedule.objects.create(every=every, period=IntervalSchedule.SECONDS)
+    if kind == "dcb":
+        PeriodicTask.objects.bulk_create(
+            PeriodicTask(
+                name=f"e{i}", task="bench.plain_noop", args=json.dumps([i]), interval=interval,
+                last_run_at=now - offset,
+            )
+            for i, offset in enumerate(offsets)
+        )  # fmt: skip
+        return
+    jobs = JobDefinition.objects.bulk_create(
+        JobDefinition(slug=f"j{i}", task="bench.ledger_noop", args=[i]) for i in range(n)
+    )
+    tasks = PeriodicTask.objects.bulk_create(
+        PeriodicTask(
+            name=f"job:j{i}", task="taskplatform.trigger_job", args=json.dumps([f"j{i}"]), interval=interval,
+            start_time=epoch + offset,
+        )
+        for i, offset in enumerate(offsets)
+    )  # fmt: skip
+    for job, task in zip(jobs, tasks, strict=True):
+        job.periodic_task = task
+    JobDefinition.objects.bulk_update(jobs, ["periodic_task"], batch_size=1000)
+
+
+def build(kind: str) -> Any:
+    from celery import current_app
+    from celery.utils.imports import symbol_by_name
+
+    scheduler = symbol_by_name(SCHEDULERS[kind])(app=current_app)
+    if kind == "redbeat":  # what celery beat's beat_init signal does: take redbeat's lock
+        from redbeat.schedulers import acquire_distributed_beat_lock
+
+        acquire_distributed_beat_lock(sender=SimpleNamespace(scheduler=scheduler))
+    return scheduler
+
+
+def lateness_of_ledger(since: datetime) -> dict[str, float]:
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT EXTRACT(EPOCH FROM created_at - scheduled_for) FROM taskplatform_execution "
+            "WHERE created_at >= %s ORDER BY 1",
+            [since],
+        )
+        values = [float(r[0]) for r in cur.fetchall()]
+    if not values:
+        return {}
+    return {
+        "lateness_p50_s": round(values[len(values) // 2], 3),
+        "lateness_p99_s": round(values[min(len(values) - 1, int(len(values) * 0.99))], 3),
+        "lateness_max_s": round(values[-1], 3),
+    }
+
+
+def run_load(kind: str, n: int, seconds: float) -> dict[str, Any]:
+    reset()
+    populate(kind, n, every=60)
+    t0 = time.perf_counter()
+    scheduler = build(kind)
+    interval = scheduler.tick()
+    startup = time.perf_counter() - t0
+    published_at_start = published()
+    started_wall = datetime.now(UTC)
+    ticks: list[float] = []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    deadline = wall0 + seconds
+    while time.perf_counter() < deadline:
+        if interval and interval > 0:
+            time.sleep(min(interval, max(0.0, deadline - time.perf_counter())))
+        s = time.perf_counter()
+        interval = scheduler.tick()
+        ticks.append(time.perf_counter() - s)
+    wall = time.perf_counter() - wall0
+    cpu = time.process_time() - cpu0
+    count = published() - published_at_start
+    scheduler.close()
+    ticks.sort()
+    result = {
+        "scheduler": kind,
+        "jobs": n,
+        "startup_s": round(startup, 3),
+        "cpu_per_wall_s": round(cpu / wall, 3),
+        "ticks": len(ticks),
+        "tick_mean_ms": round(1000 * statistics.fmean(ticks), 3) if ticks else None,
+        "tick_p99_ms": round(1000 * ticks[min(len(ticks) - 1, int(len(ticks) * 0.99))], 3) if ticks else None,
+        "published_per_s": round(count / wall, 1),
+        "needed_per_s": round(n / 60, 1),
+    }
+    if kind == "locked":
+        result.update(lateness_of_ledger(started_wall))
+    return result
+
+
+# --- failover ------------------------------------------------------------------------------------
+
+
+def start_beat(kind: str, workdir: Path, name: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+    log = workdir / f"{name}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "config", "beat", "-S", SCHEDULERS[kind], "--loglevel", "INFO",
+         "-f", str(log), "--pidfile=", "-s", str(workdir / f"{name}-schedule")],
+        cwd=ROOT, env={**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings", **env},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    return proc, log
+
+
+def wait(predicate: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    return None
+
+
+def leader_of(kind: str, beats: list[tuple[subprocess.Popen[bytes], Path]]) -> subprocess.Popen[bytes] | None:
+    if kind == "locked":
+        from taskplatform.models import SchedulerFence
+
+        fence = SchedulerFence.objects.first()
+        pid = int(fence.leader.split("#")[0].rsplit(":", 1)[1]) if fence and fence.leader else None
+        return next((p for p, _log in beats if p.pid == pid), None)
+    return next((p for p, log in beats if log.exists() and "Acquired lock" in log.read_text(errors="replace")), None)
+
+
+def run_failover(kind: str, label: str, env: dict[str, str], wait_s: float) -> dict[str, Any]:
+    reset()
+    populate(kind, 1, every=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        beats = [start_beat(kind, Path(tmp), f"b{i}", env) for i in range(2)]
+        try:
+            if not wait(lambda: published() >= 3, 60):
+                return {"scheduler": label, "error": "no publications within 60 s"}
+            leader = wait(lambda: leader_of(kind, beats), 10)
+            if leader is None:
+                return {"scheduler": label, "error": "leader not identified"}
+            os.kill(leader.pid, signal.SIGKILL)
+            killed = time.perf_counter()
+            before = published()
+            resumed = wait(lambda: published() > before and time.perf_counter(), wait_s)
+            failover = round(resumed - killed, 2) if resumed else None
+            end = killed + (failover or 0) + 10
+            time.sleep(max(0.0, end - time.perf_counter()))
+            window = time.perf_counter() - killed
+            count = published() - before
+        finally:
+            for proc, _log in beats:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    try:
+                        proc.wait(timeout=15)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGKILL)
+    return {
+        "scheduler": label,
+        "failover_s": failover if failover is not None else f"> {wait_s:g} (none)",
+        "slots_in_window": int(window),
+        "published_in_window": count,
+    }
+
+
+def run_duplicates_without_lock(seconds: float = 10) -> dict[str, Any]:
+    """Two django-celery-beat beats side by side, one 1-second entry: messages per slot."""
+    reset()
+    populate("dcb", 1, every=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        beats = [start_beat("dcb", Path(tmp), f"d{i}", {}) for i in range(2)]
+        try:
+            wait(lambda: published() >= 2, 60)
+            before = published()
+            time.sleep(seconds)
+            count = published() - before
+        finally:
+            for proc, _log in beats:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return {"scheduler": "dcb x2 (no lock)", "messages_per_slot": round(count / seconds, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", default="1000,10000")
+    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--schedulers", default="dcb,redbeat,locked")
+    parser.add_argument("--failover-wait", type=float, default=60)
+    parser.add_argument("--skip-failover", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from run import ensure_database  # bench/run.py
+
+    ensure_database()
+    import django
+
+    django.setup()
+    import logging
+
+    logging.getLogger("taskplatform").setLevel(logging.WARNING)
+    logging.getLogger("celery").setLevel(logging.WARNING)
+
+    kinds = [k.strip() for k in args.schedulers.split(",") if k.strip()]
+    loads = []
+    for n in (int(x) for x in args.jobs.split(",")):
+        for kind in kinds:
+            result = run_load(kind, n, args.seconds)
+            loads.append(result)
+            print(json.dumps(result), flush=True)
+    failovers = []
+    if not args.skip_failover:
+        fast = {"BENCH_REDBEAT_LOCK_TIMEOUT": "10", "BENCH_BEAT_MAX_LOOP_INTERVAL": "5"}
+        for kind, label, env in [
+            ("locked", "locked (defaults)", {}),
+            ("redbeat", "redbeat (defaults)", {}),
+            ("redbeat", "redbeat (lock 10 s, loop 5 s)", fast),
+        ]:
+            if kind in kinds:
+                result = run_failover(kind, label, env, args.failover_wait)
+                failovers.append(result)
+                print(json.dumps(result), flush=True)
+        if "dcb" in kinds:
+            failovers.append(run_duplicates_without_lock())
+            print(json.dumps(failovers[-1]), flush=True)
+
+    print()
+    print(f"Load: N entries due every 60 s, spread over the minute; {args.seconds:g} s per run, in-process")
+    header = (
+        f"{'scheduler':<9} {'jobs':>6} {'start-up s':>10} {'CPU/s':>6} {'tick mean ms':>12} {'tick p99 ms':>11} "
+        f"{'pub/s':>7} {'needed/s':>8} {'late p99 s':>10}"
+    )
+    print(header)
+    for r in loads:
+        print(
+            f"{r['scheduler']:<9} {r['jobs']:>6} {r['startup_s']:>10} {r['cpu_per_wall_s']:>6} "
+            f"{r['tick_mean_ms']!s:>12} {r['tick_p99_ms']!s:>11} {r['published_per_s']:>7} {r['needed_per_s']:>8} "
+            f"{r.get('lateness_p99_s', '-')!s:>10}"
+        )
+    by = {(r["scheduler"], r["jobs"]): r for r in loads}
+    for n in sorted({r["jobs"] for r in loads}):
+        base = by.get(("dcb", n))
+        for kind in ("redbeat", "locked"):
+            r = by.get((kind, n))
+            if base and r and base["cpu_per_wall_s"]:
+                print(
+                    f"  {kind} vs dcb at {n}: CPU x{r['cpu_per_wall_s'] / base['cpu_per_wall_s']:.2f}, "
+                    f"throughput x{r['published_per_s'] / max(base['published_per_s'], 0.1):.2f}"
+                )
+    if failovers:
+        print()
+        print("Failover: 2 beats, one 1-second entry, SIGKILL of the leader")
+        for r in failovers:
+            print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"load": loads, "failover": failovers}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""Guarantee G4 with real ``celery beat`` processes: one leader, fast failover, no slot twice.
+
+Every test here starts its own beats (and worker, and lock server where it stops one) and
+only ever signals those. Observations come from the ledger (one row per slot key), the
+broker (one message per execution: no slot was *published* twice) and the workers' own
+effect rows (no slot *ran* twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+import redis
+from django.db import connection
+from django.utils import timezone
+
+from taskplatform import schedule_job
+from taskplatform.models import BeatProcess, Execution, JobDefinition, SchedulerFence
+from tests.conftest import BeatFactory, RedisServer, Worker, broker_url, redis_flushdb
+from tests.conftest import test_database_url as database_url
+from tests.helpers import wait_for
+from tests.testapp.models import EffectRaw
+
+pytestmark = [pytest.mark.fault, pytest.mark.django_db(transaction=True)]
+
+SECOND = timedelta(seconds=1)
+LOCK_NAME = "taskplatform.beat"
+
+
+def every_second_job(slug: str, **fields: Any) -> JobDefinition:
+    job = JobDefinition.objects.create(slug=slug, task="testapp.effect", **fields)
+    schedule_job(job, every_seconds=1)
+    return job
+
+
+def slots_of(job: JobDefinition) -> list[datetime]:
+    return sorted(Execution.objects.filter(job=job).values_list("scheduled_for", flat=True))
+
+
+def assert_every_slot_once(slots: list[datetime], first: datetime, last: datetime) -> None:
+    """Exactly the 1-second grid from ``first`` to ``last``: nothing missing, nothing doubled."""
+    window = [s for s in slots if first <= s <= last]
+    expected = [first + k * SECOND for k in range(int((last - first).total_seconds()) + 1)]
+    missing = sorted(set(expected) - set(window))
+    assert not missing, f"{len(missing)} slot(s) never published, first {missing[:3]}"
+    assert window == expected, "a slot was published twice or off the grid"
+
+
+def broker_messages() -> int:
+    """Messages waiting on the test broker (nobody consumes them in these tests)."""
+    client = redis.Redis.from_url(broker_url())
+    return sum(int(client.llen(k)) for k in client.scan_iter("celery*") if client.type(k) == b"list")
+
+
+def leader_pid() -> int | None:
+    fence = SchedulerFence.objects.filter(name=LOCK_NAME).first()
+    if fence is None or not fence.leader:
+        return None
+    return int(fence.leader.split("#")[0].rsplit(":", 1)[1])
+
+
+def wait_until(moment: datetime, what: str) -> None:
+    """Let wall time pass (the scenario needs it: a window of slots, a downtime)."""
+    wait_for(lambda: timezone.now() >= moment, timeout=(moment - timezone.now()).total_seconds() + 5, what=what)
+
+
+@pytest.fixture
+def empty_broker() -> None:
+    redis_flushdb(broker_url())
+
+
+@pytest.mark.parametrize("lock", ["db", "redis"])
+def test_three_beats_publish_every_slot_exactly_once_for_a_minute(
+    beats: BeatFactory, workers: Any, private_redis: RedisServer, lock: str
+) -> None:
+    job = every_second_job("every-second")
+    workers.start(concurrency=4)
+    env = {"TASKPLATFORM_LOCK_URL": "db://" if lock == "db" else private_redis.url}
+    for _ in range(3):
+        beats.start(env=env)
+    first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
+    last = first + 60 * SECOND
+    wait_until(last + 2 * SECOND, "a minute of slots")
+
+    assert_every_slot_once(slots_of(job), first, last)
+    window = Execution.objects.filter(job=job, scheduled_for__gte=first, scheduled_for__lte=last)
+    wait_for(lambda: not window.exclude(state="SUCCEEDED").exists(), timeout=60, what="every slot's execution to run")
+    keys = list(window.values_list("idempotency_key", flat=True))
+    started = list(EffectRaw.objects.filter(key__in=keys, phase="started").values_list("key", flat=True))
+    assert sorted(started) == sorted(keys), "a slot's body ran twice (or never)"
+
+    seen = BeatProcess.objects.filter(last_seen_at__gte=timezone.now() - 10 * SECOND, stopped_at=None)
+    assert seen.count() == 3
+    assert seen.filter(is_leader=True).count() == 1
+
+
+def test_sigkill_of_the_leader_fails_over_within_ten_seconds_with_no_slot_lost(
+    beats: BeatFactory, empty_broker: None
+) -> None:
+    """Default timings (lease 6 s, tick 1 s): the target is ≤ 10 s from death to the next slot."""
+    job = every_second_job("failover")
+    for _ in range(3):
+        beats.start()
+    first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
+    wait_until(first + 3 * SECOND, "a few slots")
+    victim = beats.by_pid(wait_for(leader_pid, timeout=10, what="a leader"))
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = timezone.now()
+
+    def first_publication_after_kill() -> datetime | None:
+        return (
+            Execution.objects.filter(job=job, created_at__gt=killed_at)
+            .order_by("created_at")
+            .values_list("created_at", flat=True)
+            .first()
+        )
+
+    resumed = wait_for(first_publication_after_kill, timeout=30, interval=0.05, what="a new leader's publication")
+    failover = (resumed - killed_at).total_seconds()
+    print(f"failover after SIGKILL of the leader: {failover:.2f} s")
+    assert failover < 10, f"failover took {failover:.1f} s"
+    assert leader_pid() not in (None, victim.pid)
+    wait_until(timezone.now() + 2 * SECOND, "slots after the failover")
+    now = timezone.now().replace(microsecond=0) - SECOND
+    assert_every_slot_once(slots_of(job), first, now)
+    assert broker_messages() == Execution.objects.count(), "a slot was published to the broker twice"
+
+
+def test_a_paused_leader_that_wakes_up_publishes_nothing(beats: BeatFactory, empty_broker: None) -> None:
+    """SIGSTOP the leader past its lease; a follower takes over; SIGCONT: the old leader
+    finds its lease gone (or is fenced off) and publishes nothing, not even the slots due
+    while it slept."""
+    job = every_second_job("paused-leader")
+    for _ in range(2):
+        beats.start()
+    first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
+    old = beats.by_pid(wait_for(leader_pid, timeout=10, what="a leader"))
+    os.kill(old.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: leader_pid() not in (None, old.pid), timeout=30, what="a follower to take over")
+    finally:
+        os.kill(old.pid, signal.SIGCONT)
+    wait_for(
+        lambda: "lost the lease" in old.log() or "stops publishing" in old.log() or "steps down" in old.log(),
+        timeout=15,
+        what="the woken leader to notice",
+    )
+    wait_until(timezone.now() + 2 * SECOND, "slots after the wake-up")
+    assert_every_slot_once(slots_of(job), first, timezone.now().replace(microsecond=0) - SECOND)
+    assert broker_messages() == Execution.objects.count(), "a slot was published to the broker twice"
+    assert not Execution.objects.filter(job=job).exclude(trigger="beat").exists()
+
+
+def test_redis_lock_server_shutdown_leader_steps_down_and_service_resumes(
+    beats: BeatFactory, private_redis: RedisServer, empty_broker: None
+) -> None:
+    job = every_second_job("redis-outage")
+    env = {"TASKPLATFORM_LOCK_URL": private_redis.url}
+    for _ in range(2):
+        beats.start(env=env)
+    first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
+    leader = beats.by_pid(wait_for(leader_pid, timeout=10, what="a leader"))
+
+    with contextlib.suppress(redis.exceptions.ConnectionError):
+        redis.Redis.from_url(private_redis.url).shutdown(nosave=True)
+    assert private_redis.proc is not None
+    private_redis.proc.wait(timeout=10)
+    down_at = timezone.now()
+    wait_for(lambda: "steps down" in leader.log(), timeout=15, what="the leader to step down")
+    stepped_down = timezone.now()
+    wait_until(stepped_down + 3 * SECOND, "the outage to last")
+    assert not Execution.objects.filter(created_at__gt=stepped_down).exists(), "published without a lease"
+
+    private_redis.start()  # same port, empty: no lease, fencing counter restarts
+    back = timezone.now()
+    wait_for(lambda: Execution.objects.filter(created_at__gt=back).exists(), timeout=30, what="service to resume")
+    wait_until(timezone.now() + 2 * SECOND, "slots after recovery")
+    # The outage (a few seconds, inside the misfire grace period) lost no slot: the new
+    # leader published the owed ones from the cursor.
+    assert_every_slot_once(slots_of(job), first, timezone.now().replace(microsecond=0) - SECOND)
+    assert broker_messages() == Execution.objects.count(), "a slot was published to the broker twice"
+    assert down_at < stepped_down
+
+
+@pytest.fixture
+def outage_role() -> Iterator[str]:
+    """A PostgreSQL role only the beats use, so the test can cut them off and let them back."""
+    role = "tp_beat_outage"
+    with connection.cursor() as cur:
+        cur.execute(f"DROP ROLE IF EXISTS {role}")
+        cur.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+    yield role
+    with connection.cursor() as cur:
+        cur.execute(f"ALTER ROLE {role} LOGIN")
+        cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [role])
+    wait_for(lambda: not _sessions_of(role), timeout=15, what="the role's sessions to end")
+    with connection.cursor() as cur:
+        cur.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+def _sessions_of(role: str) -> int:
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = %s", [role])
+        return int(cur.fetchone()[0])
+
+
+def test_database_lock_server_lost_leader_steps_down_and_service_resumes(
+    beats: BeatFactory, outage_role: str, empty_broker: None
+) -> None:
+    """The database backend's server goes away for the beats (connections killed, logins
+    refused): the leader cannot renew, steps down before its lease could expire, nobody
+    publishes; when PostgreSQL is back a leader resumes and the owed slots are published."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL-specific outage (roles and pg_terminate_backend)")
+    job = every_second_job("db-outage")
+    url = database_url().replace("postgres://postgres@", f"postgres://{outage_role}@")
+    for _ in range(2):
+        beats.start(env={"DATABASE_URL": url, "TASKPLATFORM_LOCK_URL": "db://"})
+    first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
+    leader = beats.by_pid(wait_for(leader_pid, timeout=10, what="a leader"))
+
+    with connection.cursor() as cur:
+        cur.execute(f"ALTER ROLE {outage_role} NOLOGIN")
+        cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [outage_role])
+    cut_at = timezone.now()
+    wait_for(lambda: "steps down" in leader.log(), timeout=15, what="the leader to step down")
+    wait_until(timezone.now() + 3 * SECOND, "the outage to last")
+    assert not Execution.objects.filter(created_at__gt=cut_at + SECOND).exists(), "published during the outage"
+
+    with connection.cursor() as cur:
+        cur.execute(f"ALTER ROLE {outage_role} LOGIN")
+    back = timezone.now()
+    wait_for(lambda: Execution.objects.filter(created_at__gt=back).exists(), timeout=30, what="service to resume")
+    wait_until(timezone.now() + 2 * SECOND, "slots after recovery")
+    assert_every_slot_once(slots_of(job), first, timezone.now().replace(microsecond=0) - SECOND)
+    assert broker_messages() == Execution.objects.count(), "a slot was published to the broker twice"
+
+
+def test_misfire_policies_after_the_only_beat_was_down(beats: BeatFactory, empty_broker: None) -> None:
+    """One beat runs three 1-second jobs, stops for 14 s, restarts (grace 4 s, catch-up window 6 s)."""
+    env = {
+        "TASKPLATFORM_BEAT_LEASE_SECONDS": "3",
+        "TASKPLATFORM_BEAT_TICK_SECONDS": "0.5",
+        "TASKPLATFORM_BEAT_STEP_DOWN_SECONDS": "1",
+        "TASKPLATFORM_BEAT_SYNC_SECONDS": "1",
+        "TASKPLATFORM_BEAT_MISFIRE_GRACE_SECONDS": "4",
+    }
+    jobs = {
+        policy: every_second_job(f"misfire-{policy}", misfire_policy=policy, catch_up_window_seconds=6)
+        for policy in ("skip", "run_once", "catch_up")
+    }
+    beat = beats.start(env=env)
+    wait_for(lambda: all(len(slots_of(j)) >= 2 for j in jobs.values()), timeout=60, what="slots of every job")
+    beat.stop()
+    assert beat.proc.returncode is not None
+    stopped = timezone.now()
+    last_before = {p: slots_of(j)[-1] for p, j in jobs.items()}
+    wait_until(stopped + 14 * SECOND, "the downtime")
+
+    beats.start(env=env)
+    restarted = wait_for(
+        lambda: (
+            Execution.objects.filter(created_at__gt=stopped)
+            .order_by("created_at")
+            .values_list("created_at", flat=True)
+            .first()
+        ),
+        timeout=60,
+        what="the restarted beat's first publication",
+    )
+    wait_until(restarted + 2 * SECOND, "the restarted beat's first ticks")
+
+    def recovered(policy: str) -> list[datetime]:
+        """Slots of the downtime published on restart: after the last slot before, up to the restart."""
+        return [s for s in slots_of(jobs[policy]) if last_before[policy] < s <= restarted]
+
+    skip, once, catch_up = recovered("skip"), recovered("run_once"), recovered("catch_up")
+    # skip: only the slots inside the grace period before the restart.
+    assert skip and all(s >= restarted - 5 * SECOND for s in skip), skip
+    # run_once: exactly one execution for the whole missed window, at its latest slot.
+    assert len(once) == 1 and once[0] >= restarted - 2 * SECOND, once
+    # catch_up: every slot of the last 6 s (the window), none older, none missing.
+    assert all(s >= restarted - 7 * SECOND for s in catch_up), catch_up
+    assert catch_up == [catch_up[0] + k * SECOND for k in range(len(catch_up))]
+    assert len(catch_up) >= 6
+    assert broker_messages() == Execution.objects.count()
+
+
+def test_a_misconfigured_beat_refuses_to_start_and_says_what_to_change(beats: BeatFactory) -> None:
+    beat: Worker = beats.start(env={"TASKPLATFORM_BEAT_LEASE_SECONDS": "2", "TASKPLATFORM_BEAT_TICK_SECONDS": "1"})
+    wait_for(lambda: beat.proc.poll() is not None, timeout=60, what="the beat to exit")
+    output = beat.log() + beats.err(beat)
+    assert beat.proc.returncode != 0
+    assert "TASKPLATFORM_BEAT_LEASE_SECONDS=2 is below 3 times TASKPLATFORM_BEAT_TICK_SECONDS=1" in output
+    assert "Raise the lease to at least 3" in output
+    assert not Execution.objects.exists()
