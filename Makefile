@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MARIADB_URL ?= mysql://root@127.0.0.1:3306/taskplatform
 
-.PHONY: run test lint typecheck unit portable bench install install-test clean
+.PHONY: run test lint typecheck unit portable bench bench-beat install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] >= (3, 11), "Python 3.11+ is required"'
@@ -47,6 +47,10 @@ typecheck: $(VENV)/.installed-test
 ## make bench: plain Celery vs django-celery-results vs celery-once vs IdempotentTask
 bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+## make bench-beat: DatabaseScheduler vs celery-redbeat vs LockedScheduler (tick cost, lateness, failover)
+bench-beat: $(VENV)/.installed-bench
+	$(BIN)/python bench/beat.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) var

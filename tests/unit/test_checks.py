@@ -6,7 +6,7 @@ import pytest
 from celery import current_app
 from django.test import override_settings
 
-from taskplatform.checks import check_celery, check_settings
+from taskplatform.checks import check_beat, check_celery, check_settings
 
 
 @pytest.fixture
@@ -23,7 +23,19 @@ def ids(messages) -> set[str]:
 
 
 def test_the_shipped_configuration_passes():
-    assert check_settings() == [] and check_celery() == []
+    assert check_settings() == [] and check_celery() == [] and check_beat() == []
+
+
+@override_settings(TASKPLATFORM_BEAT_LEASE_SECONDS=2.0, TASKPLATFORM_BEAT_TICK_SECONDS=1.0)
+def test_a_beat_lease_below_three_ticks_is_refused_with_what_to_change():
+    messages = check_beat()
+    assert ids(messages) == {"taskplatform.E030"}
+    assert any("Raise the lease to at least 3" in m.msg for m in messages)
+
+
+@override_settings(TASKPLATFORM_BEAT_LEASE_SECONDS=15.0, TASKPLATFORM_BEAT_TICK_SECONDS=1.0)
+def test_a_failover_above_ten_seconds_is_warned_about():
+    assert ids(check_beat()) == {"taskplatform.W031"}
 
 
 def test_pickle_is_refused(celery_conf):

@@ -16,7 +16,8 @@ from .models import Execution, ExecutionEvent, JobDefinition
 
 @admin.register(JobDefinition)
 class JobDefinitionAdmin(admin.ModelAdmin):
-    list_display = ("slug", "task", "queue", "max_attempts", "enabled", "updated_at")
+    list_display = ("slug", "task", "periodic_task", "misfire_policy", "queue", "max_attempts", "enabled", "updated_at")
+    list_select_related = ("periodic_task",)
     list_filter = ("enabled", "queue")
     search_fields = ("slug", "task", "description")
 
