@@ -84,7 +84,10 @@ def beat_status(now: datetime) -> dict[str, Any]:
         info = backend.inspect(conf.beat_lock_name)
         if info is not None:
             lock.update(holder=info.owner, fencing_token=info.token, expires_at=info.expires_at)
-            lock["ttl_remaining_seconds"] = info.ttl_remaining_seconds
+            remaining = info.ttl_remaining_seconds
+            if remaining is None and info.expires_at is not None:
+                remaining = (info.expires_at - now).total_seconds()
+            lock["ttl_remaining_seconds"] = round(remaining, 1) if remaining is not None else None
     except Exception as exc:  # an unreachable lock server is itself the status to report
         lock["error"] = str(exc)
     fence = SchedulerFence.objects.filter(name=conf.beat_lock_name).first()
