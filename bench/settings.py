@@ -17,6 +17,9 @@ INSTALLED_APPS = [*INSTALLED_APPS, "django_celery_results", "bench.benchapp"]
 CELERY_RESULT_BACKEND = "django-db"  # used only by bench.dcr_noop (the others ignore results)
 CELERY_TASK_DEFAULT_QUEUE = "bench"
 CELERY_BEAT_SCHEDULE = {}
+# Monitoring events cost every variant the same; off, so figures compare with earlier runs.
+CELERY_WORKER_SEND_TASK_EVENTS = False
+CELERY_TASK_SEND_SENT_EVENT = False
 BENCH_ONCE_REDIS_URL = os.environ.get("BENCH_ONCE_REDIS_URL", "redis://127.0.0.1:6379/12")
 if os.environ.get("BENCH_DB_REUSE_MAX") == "unset":  # Celery's out-of-the-box behaviour
     del CELERY_DB_REUSE_MAX  # noqa: F821

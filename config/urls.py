@@ -1,8 +1,9 @@
 """URL configuration of the reference deployment."""
 
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/", include("tasks.urls")),
 ]

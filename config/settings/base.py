@@ -167,6 +167,9 @@ CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 # Without this, Celery's Django fix-up closes the DB connection before and after every task.
 CELERY_DB_REUSE_MAX = 1000
 CELERY_TIMEZONE = "UTC"
+# Task events for Flower (bin/flower): workers report task state, publishers report "sent".
+CELERY_WORKER_SEND_TASK_EVENTS = env_bool("CELERY_WORKER_SEND_TASK_EVENTS", True)
+CELERY_TASK_SEND_SENT_EVENT = env_bool("CELERY_TASK_SEND_SENT_EVENT", True)
 # Several beats may run: one leads (lease on the lock backend), the others stand by. The
 # leader also runs the rescuer and ledger pruning, so no beat entry is needed for them.
 CELERY_BEAT_SCHEDULER = "taskplatform.beat.LockedScheduler"

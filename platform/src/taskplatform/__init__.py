@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["schedule_job", "submit"]
+__all__ = ["schedule_job", "submit", "submit_or_get"]
 
 if TYPE_CHECKING:
-    from .api import schedule_job, submit
+    from .api import schedule_job, submit, submit_or_get
 
 
 def __getattr__(name: str) -> Any:

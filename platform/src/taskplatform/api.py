@@ -39,6 +39,34 @@ def submit(
 ) -> Execution:
     """Record an execution in the ledger and publish it once the transaction commits.
 
+    The options are documented on ``submit_or_get``, which also says whether the call
+    created the execution.
+    """
+    execution, _created = submit_or_get(
+        task_or_name, args, kwargs, idempotency_key=idempotency_key, countdown=countdown, eta=eta, queue=queue,
+        priority=priority, on_commit=on_commit, trigger=trigger, slot=slot,
+    )  # fmt: skip
+    return execution
+
+
+def submit_or_get(
+    task_or_name: Task | str | JobDefinition,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    idempotency_key: str | None = None,
+    countdown: float | None = None,
+    eta: datetime | None = None,
+    queue: str | None = None,
+    priority: int | None = None,
+    on_commit: bool = True,
+    trigger: str = Trigger.API,
+    slot: datetime | None = None,
+) -> tuple[Execution, bool]:
+    """``submit()``, also saying whether this call created the execution (False: the key existed).
+
+    Record an execution in the ledger and publish it once the transaction commits.
+
     ``task_or_name`` is an ``IdempotentTask``, its registered name, or a ``JobDefinition``
     (whose task, default arguments, queue, priority, time limits and retry policy apply).
     The same ``idempotency_key`` always returns the same execution, which is published only
@@ -100,13 +128,13 @@ def submit(
                 f"{execution.task_name!r} with other arguments; use a new key for new work",
                 execution_id=execution.pk,
             )
-        return execution
+        return execution, False
     if on_broker:
         if on_commit:
             publish_on_commit(execution, task_id=task_id, countdown=delay or None)
         else:
             publish(execution, task_id=task_id, countdown=delay or None)
-    return execution
+    return execution, True
 
 
 def schedule_job(

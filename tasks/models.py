@@ -1,0 +1,79 @@
+"""The reference deployment's business data: coupon campaigns, API tokens, client requests."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from django.conf import settings
+from django.db import models
+
+
+class Campaign(models.Model):
+    """A coupon campaign with a limited stock."""
+
+    slug = models.SlugField(max_length=100, unique=True)
+    name = models.CharField(max_length=200)
+    stock = models.PositiveIntegerField(help_text="Coupons left to issue.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.slug} ({self.stock} left)"
+
+
+class Coupon(models.Model):
+    """One issued coupon: at most one per (campaign, user), enforced by the database too."""
+
+    campaign = models.ForeignKey(Campaign, on_delete=models.PROTECT, related_name="coupons")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="coupons")
+    code = models.CharField(max_length=32, unique=True)
+    issued_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["campaign", "user"], name="one_coupon_per_user")]
+
+    def __str__(self) -> str:
+        return self.code
+
+
+def hash_token(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+class ApiToken(models.Model):
+    """A bearer token for API clients (``Authorization: Token <key>``); only its hash is stored."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    name = models.CharField(max_length=100, help_text="What the token is for.")
+    key_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.user})"
+
+    @classmethod
+    def issue(cls, user: models.Model, name: str) -> tuple[ApiToken, str]:
+        """Create a token; the raw key is returned once and never stored."""
+        raw = secrets.token_urlsafe(32)
+        return cls.objects.create(user=user, name=name, key_hash=hash_token(raw)), raw
+
+
+class ClientRequest(models.Model):
+    """A client's ``Idempotency-Key``: replaying the same request returns the same execution.
+
+    The key is scoped to the user; the fingerprint (method, path and body) makes a reuse of
+    the key for a different request an error instead of a silent mix-up.
+    """
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="client_requests")
+    key = models.CharField(max_length=200)
+    fingerprint = models.CharField(max_length=64)
+    execution = models.ForeignKey("taskplatform.Execution", on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "key"], name="one_request_per_client_key")]
+
+    def __str__(self) -> str:
+        return f"{self.user}:{self.key}"

@@ -1,0 +1,10 @@
+"""The reference deployment's API (see ``tasks/views.py`` for the contract)."""
+
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("coupons/", views.request_coupon, name="api-coupons"),
+    path("executions/<int:pk>", views.execution_detail, name="api-execution"),
+]

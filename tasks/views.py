@@ -1,0 +1,162 @@
+"""JSON endpoints that submit the reference jobs from a request, and report on executions.
+
+Authentication: a session (the admin login; CSRF enforced) or an API token,
+``Authorization: Token <key>`` (``manage.py issue_api_token <user> <name>``; CSRF does not
+apply to token requests). Anonymous requests get ``401``.
+
+``POST`` endpoints take an optional ``Idempotency-Key`` header, scoped to the user. The first
+request with a key answers ``202 Accepted`` with ``Location: /api/executions/<id>``; the same
+request again answers ``200 OK`` with the same execution; the same key on a different request
+is ``422``. Invalid input is ``400`` with a message, a body above
+``TASKPLATFORM_MAX_ARGS_BYTES`` is ``413``; nothing is recorded in either case.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.contrib.auth.models import AnonymousUser, User
+from django.db import IntegrityError, transaction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.middleware.csrf import CsrfViewMiddleware
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+
+from taskplatform import submit_or_get
+from taskplatform.exceptions import SubmissionError
+from taskplatform.http import HttpError, error_response, execution_payload, idempotency_key_of, json_body
+from taskplatform.http import submission_response as platform_submission_response
+from taskplatform.models import Execution
+
+from .models import ApiToken, Campaign, ClientRequest, hash_token
+
+View = Callable[..., HttpResponse]
+
+
+def _unauthorized(detail: str) -> JsonResponse:
+    response = JsonResponse({"error": "unauthorized", "detail": detail}, status=401)
+    response["WWW-Authenticate"] = 'Token realm="api"'
+    return response
+
+
+def api_auth(view: View) -> View:
+    """Session (with CSRF) or ``Authorization: Token <key>``; 401 otherwise."""
+
+    @csrf_exempt
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        header = request.headers.get("Authorization", "")
+        if header:
+            scheme, _, raw = header.partition(" ")
+            if scheme != "Token" or not raw.strip():
+                return _unauthorized("use 'Authorization: Token <key>'")
+            token = ApiToken.objects.select_related("user").filter(key_hash=hash_token(raw.strip())).first()
+            if token is None or not token.user.is_active:
+                return _unauthorized("unknown or revoked token")
+            ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
+            request.user = token.user
+        elif isinstance(request.user, AnonymousUser) or not request.user.is_authenticated:
+            return _unauthorized("log in or send an API token")
+        else:  # a browser session: enforce CSRF as Django would for an unexempted view
+            rejected = CsrfViewMiddleware(lambda r: HttpResponse()).process_view(request, view, args, kwargs)
+            if rejected is not None:
+                return rejected
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def _fingerprint(request: HttpRequest) -> str:
+    method = (request.method or "").encode()
+    return hashlib.sha256(b"%s %s\n%s" % (method, request.path.encode(), request.body)).hexdigest()
+
+
+def _user(request: HttpRequest) -> User:
+    """The authenticated user (``api_auth`` has turned anonymous requests away)."""
+    assert isinstance(request.user, User)
+    return request.user
+
+
+def submit_for(request: HttpRequest, task: str, args: list[Any], kwargs: dict[str, Any]) -> HttpResponse:
+    """Submit under the client's ``Idempotency-Key`` (if any) and answer 202 / 200 / 422."""
+    client_key = idempotency_key_of(request)
+    user = _user(request)
+    if client_key is None:
+        with transaction.atomic():
+            execution, created = submit_or_get(task, args, kwargs, trigger="view")
+            # Remember who asked, so they may read the execution back.
+            ClientRequest.objects.get_or_create(
+                user=user, key=f"auto:{execution.pk}", defaults={"fingerprint": "", "execution": execution}
+            )
+        return _respond(execution, created)
+    fingerprint = _fingerprint(request)
+    for _attempt in range(2):  # a concurrent replay of the same key loses the insert race once
+        previous = ClientRequest.objects.select_related("execution").filter(user=user, key=client_key).first()
+        if previous is not None:
+            if previous.fingerprint != fingerprint:
+                raise HttpError(
+                    422, "idempotency_key_conflict",
+                    f"Idempotency-Key {client_key!r} was used for a different request; use a new key",
+                )  # fmt: skip
+            return _respond(previous.execution, created=False)
+        try:
+            with transaction.atomic():
+                execution, created = submit_or_get(task, args, kwargs, trigger="view")
+                ClientRequest.objects.create(user=user, key=client_key, fingerprint=fingerprint, execution=execution)
+            return _respond(execution, created)
+        except IntegrityError:
+            continue
+    raise HttpError(409, "conflict", "concurrent requests with the same Idempotency-Key; retry")
+
+
+def _respond(execution: Execution, created: bool) -> JsonResponse:
+    return platform_submission_response(
+        execution, created=created, location=reverse("api-execution", args=[execution.pk])
+    )
+
+
+def handles_errors(view: View) -> View:
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        try:
+            return view(request, *args, **kwargs)
+        except (HttpError, SubmissionError) as exc:
+            return error_response(exc)
+
+    return wrapper
+
+
+@require_POST
+@api_auth
+@handles_errors
+def request_coupon(request: HttpRequest) -> HttpResponse:
+    """``POST /api/coupons/`` ``{"campaign": "<slug>"}``: a coupon for the requesting user."""
+    data = json_body(request)
+    campaign = data.get("campaign")
+    unknown = sorted(set(data) - {"campaign"})
+    if unknown:
+        raise HttpError(400, "invalid_arguments", f"unknown field(s): {', '.join(unknown)}")
+    if not isinstance(campaign, str) or not campaign:
+        raise HttpError(400, "invalid_arguments", "'campaign' must be a campaign slug (a non-empty string)")
+    if not Campaign.objects.filter(slug=campaign).exists():
+        raise HttpError(400, "invalid_arguments", f"no campaign {campaign!r}")
+    return submit_for(request, "tasks.issue_coupon", [campaign, request.user.pk], {})
+
+
+@require_GET
+@api_auth
+def execution_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """``GET /api/executions/<id>``: state, result and events; the requester's own, or any for staff."""
+    execution = Execution.objects.filter(pk=pk).first()
+    allowed = execution is not None and (
+        _user(request).is_staff or ClientRequest.objects.filter(user=_user(request), execution=execution).exists()
+    )
+    if not allowed:
+        return JsonResponse({"error": "not_found", "detail": f"no execution {pk} of yours"}, status=404)
+    assert execution is not None
+    return JsonResponse(execution_payload(execution))

@@ -1,0 +1,175 @@
+"""The reference API: jobs submitted from requests, through a real worker.
+
+Status codes: 401 anonymous, 202 + Location for new work, 200 for the same execution again,
+400 bad input, 413 oversized body, 422 an Idempotency-Key reused for another request, 403
+a session request without CSRF token, 404 another user's execution.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connection
+from django.db.models import Count
+from django.test import Client
+
+from taskplatform.models import Execution
+from tasks.models import ApiToken, Campaign, ClientRequest, Coupon
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+URL = "/api/coupons/"
+
+
+def token_client(user: User) -> Client:
+    _token, raw = ApiToken.issue(user, "test")
+    return Client(HTTP_AUTHORIZATION=f"Token {raw}")
+
+
+def post(client: Client, body: Any, key: str | None = None, raw: bytes | None = None) -> Any:
+    headers = {"HTTP_IDEMPOTENCY_KEY": key} if key is not None else {}
+    data = raw if raw is not None else json.dumps(body)
+    return client.post(URL, data=data, content_type="application/json", **headers)
+
+
+@pytest.fixture
+def alice() -> User:
+    return User.objects.create_user("alice", password="pw-alice")
+
+
+@pytest.fixture
+def campaign() -> Campaign:
+    return Campaign.objects.create(slug="winter", name="Winter sale", stock=100)
+
+
+def test_anonymous_and_bad_tokens_are_refused(campaign: Campaign) -> None:
+    assert post(Client(), {"campaign": "winter"}).status_code == 401
+    assert post(Client(HTTP_AUTHORIZATION="Token nope"), {"campaign": "winter"}).status_code == 401
+    assert post(Client(HTTP_AUTHORIZATION="Bearer x"), {"campaign": "winter"}).status_code == 401
+    assert Client().get("/api/executions/1").status_code == 401
+    assert not Execution.objects.exists()
+
+
+def test_a_new_request_is_accepted_and_the_same_request_again_returns_the_same_execution(
+    workers: Any, alice: User, campaign: Campaign
+) -> None:
+    workers.start(concurrency=2)
+    client = token_client(alice)
+    first = post(client, {"campaign": "winter"}, key="order-1")
+    assert first.status_code == 202
+    location = first["Location"]
+    assert location == f"/api/executions/{first.json()['id']}"
+
+    done = wait_for(
+        lambda: (r := client.get(location).json())["state"] == "SUCCEEDED" and r, timeout=60, what="the coupon"
+    )
+    assert done["result"]["issued"] is True
+    assert [e["kind"] for e in done["events"]][-1] == "succeeded"
+
+    again = post(client, {"campaign": "winter"}, key="order-1")
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+    assert again["Location"] == location
+    # A new key for the same coupon: the business key (campaign, user) still names one execution.
+    other_key = post(client, {"campaign": "winter"}, key="order-2")
+    assert other_key.status_code == 200 and other_key.json()["id"] == first.json()["id"]
+    assert Coupon.objects.filter(user=alice).count() == 1
+    assert Campaign.objects.get().stock == 99
+
+
+def test_the_same_key_for_a_different_request_is_refused(alice: User, campaign: Campaign) -> None:
+    Campaign.objects.create(slug="spring", name="Spring", stock=5)
+    client = token_client(alice)
+    assert post(client, {"campaign": "winter"}, key="k").status_code == 202
+    refused = post(client, {"campaign": "spring"}, key="k")
+    assert refused.status_code == 422
+    assert refused.json()["error"] == "idempotency_key_conflict"
+    assert Execution.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "raw", "headers", "fragment"),
+    [
+        (None, b"{not json", {}, "not valid JSON"),
+        (None, b"", {}, "must be a JSON object"),
+        (["winter"], None, {}, "must be a JSON object, not list"),
+        ({}, None, {}, "'campaign' must be a campaign slug"),
+        ({"campaign": 7}, None, {}, "'campaign' must be a campaign slug"),
+        ({"campaign": "autumn"}, None, {}, "no campaign 'autumn'"),
+        ({"campaign": "winter", "user": 1}, None, {}, "unknown field(s): user"),
+        ({"campaign": "winter"}, None, {"HTTP_IDEMPOTENCY_KEY": "x" * 201}, "Idempotency-Key must be"),
+    ],
+)
+def test_bad_input_is_a_400_with_a_message_and_records_nothing(
+    alice: User, campaign: Campaign, body: Any, raw: bytes | None, headers: dict[str, str], fragment: str
+) -> None:
+    client = token_client(alice)
+    data = raw if raw is not None else json.dumps(body)
+    response = client.post(URL, data=data, content_type="application/json", **headers)
+    assert response.status_code == 400
+    assert fragment in response.json()["detail"]
+    assert not Execution.objects.exists() and not ClientRequest.objects.exists()
+
+
+def test_an_oversized_body_is_a_413_and_records_nothing(alice: User, campaign: Campaign, settings: Any) -> None:
+    settings.TASKPLATFORM_MAX_ARGS_BYTES = 1024
+    response = post(token_client(alice), {"campaign": "winter", "padding": "x" * 2000})
+    assert response.status_code == 413
+    assert response.json()["error"] == "payload_too_large"
+    assert not Execution.objects.exists()
+
+
+def test_a_session_request_needs_its_csrf_token(alice: User, campaign: Campaign) -> None:
+    browser = Client(enforce_csrf_checks=True)
+    browser.login(username="alice", password="pw-alice")
+    assert post(browser, {"campaign": "winter"}).status_code == 403
+    browser.get("/admin/login/")  # any page that sets the CSRF cookie
+    token = browser.cookies["csrftoken"].value
+    response = browser.post(URL, data=json.dumps({"campaign": "winter"}), content_type="application/json",
+                            HTTP_X_CSRFTOKEN=token)  # fmt: skip
+    assert response.status_code == 202
+
+
+def test_an_execution_is_visible_to_its_requester_and_staff_only(alice: User, campaign: Campaign) -> None:
+    created = post(token_client(alice), {"campaign": "winter"}).json()
+    bob = User.objects.create_user("bob")
+    staff = User.objects.create_user("ops", is_staff=True)
+    location = f"/api/executions/{created['id']}"
+    assert token_client(bob).get(location).status_code == 404
+    assert token_client(staff).get(location).status_code == 200
+    assert token_client(alice).get(location).json()["state"] in {"PENDING", "RUNNING", "SUCCEEDED"}
+    assert token_client(alice).get("/api/executions/999999").status_code == 404
+
+
+def test_a_burst_of_1000_requests_for_100_coupons_issues_exactly_100(workers: Any) -> None:
+    """400 users ask 2 or 3 times each (1,000 requests, 32 at a time) for 100 coupons."""
+    workers.start(concurrency=4)
+    Campaign.objects.create(slug="flash", name="Flash sale", stock=100)
+    users = User.objects.bulk_create(User(username=f"u{i}") for i in range(400))
+    raws = [ApiToken.issue(u, "burst")[1] for u in users]
+    requests = [raws[i % 400] for i in range(1000)]
+
+    def ask(raw: str) -> int:
+        try:
+            client = Client(HTTP_AUTHORIZATION=f"Token {raw}")
+            return int(post(client, {"campaign": "flash"}).status_code)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        statuses = list(pool.map(ask, requests))
+    assert statuses.count(202) == 400 and statuses.count(200) == 600
+
+    executions = Execution.objects.filter(task_name="tasks.issue_coupon")
+    wait_for(lambda: not executions.exclude(state="SUCCEEDED").exists(), timeout=120, what="every request to run")
+    assert executions.count() == 400
+    assert Coupon.objects.count() == 100
+    assert not Coupon.objects.values("user").annotate(n=Count("id")).filter(n__gt=1).exists()
+    assert Campaign.objects.get().stock == 0
+    results: list[dict[str, Any]] = list(executions.values_list("result", flat=True))
+    assert sum(r["issued"] for r in results) == 100
+    assert sum(r.get("reason") == "sold out" for r in results) == 300
