@@ -7,6 +7,7 @@ import secrets
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 
 class Campaign(models.Model):
@@ -77,3 +78,47 @@ class ClientRequest(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user}:{self.key}"
+
+
+class Order(models.Model):
+    """An order that must be paid within a time limit, else it is closed (stock released)."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "awaiting payment"
+        PAID = "paid", "paid"
+        CLOSED = "closed", "closed unpaid"
+
+    number = models.CharField(max_length=40, unique=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    created_at = models.DateTimeField(default=timezone.now)
+    closed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["status", "created_at"], name="order_status_created")]
+
+    def __str__(self) -> str:
+        return f"{self.number} ({self.status})"
+
+
+class StockItem(models.Model):
+    """A stock level the inventory sync pushes to the downstream warehouse service."""
+
+    sku = models.CharField(max_length=64, unique=True)
+    quantity = models.IntegerField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.sku}: {self.quantity}"
+
+
+class Payment(models.Model):
+    """A settled payment to reconcile against the ledger of the payment provider."""
+
+    reference = models.CharField(max_length=64, unique=True)
+    amount_cents = models.BigIntegerField()
+    settled_on = models.DateField(db_index=True)
+    reconciled_at = models.DateTimeField(null=True, blank=True)
+    reconciled_by = models.CharField(max_length=255, blank=True, help_text="Idempotency key of the shard run.")
+
+    def __str__(self) -> str:
+        return self.reference

@@ -175,6 +175,11 @@ CELERY_TASK_SEND_SENT_EVENT = env_bool("CELERY_TASK_SEND_SENT_EVENT", True)
 CELERY_BEAT_SCHEDULER = "taskplatform.beat.LockedScheduler"
 CELERY_BEAT_SCHEDULE: dict[str, Any] = {}
 
+# --- the reference deployment -----------------------------------------------------------------
+
+#: The warehouse service the inventory-sync job pushes stock levels to (empty: the job is paused).
+INVENTORY_SERVICE_URL = os.environ.get("INVENTORY_SERVICE_URL", "")
+
 # --- taskplatform (see platform/src/taskplatform/conf.py for every key) ------------------------
 
 TASKPLATFORM_LEASE_SECONDS = env_int("TASKPLATFORM_LEASE_SECONDS", 60)

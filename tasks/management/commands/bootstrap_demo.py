@@ -7,6 +7,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
 from taskplatform import schedule_job
@@ -41,4 +42,5 @@ class Command(BaseCommand):
             schedule_job(ping, every_seconds=15)
         if flaky.periodic_task_id is None:
             schedule_job(flaky, cron="* * * * *", timezone_name="Europe/Berlin")
+        call_command("setup_reference_jobs", stdout=self.stdout)
         self.stdout.write(credentials.read_text() if credentials.exists() else "admin user exists\n")
