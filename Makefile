@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MARIADB_URL ?= mysql://root@127.0.0.1:3306/taskplatform
 
-.PHONY: run test lint typecheck unit portable bench bench-beat install install-test clean
+.PHONY: run test check-run lint typecheck unit portable bench bench-beat install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] >= (3, 11), "Python 3.11+ is required"'
@@ -31,11 +31,16 @@ install-test: $(VENV)/.installed-test
 run: $(VENV)/.installed-local
 	bin/run-embedded
 
-## make test: lint, types, the whole suite on PostgreSQL, then the portable ledger tests on SQLite and MariaDB
+## make test: lint, types, the whole suite on PostgreSQL, the portable tests on SQLite and MariaDB, then make run on a fresh clone
 test: $(VENV)/.installed-test lint typecheck
 	$(BIN)/pytest
 	DATABASE_URL=sqlite:///$(CURDIR)/var/test-portable.sqlite3 $(BIN)/pytest -m portable tests/ledger tests/locks tests/beat
 	DATABASE_URL=$(MARIADB_URL) $(BIN)/pytest -m portable tests/ledger tests/locks tests/beat
+	bin/check-make-run
+
+## make check-run: `make run` on a fresh clone of HEAD: admin answers, Flower refuses anonymous, a job completes
+check-run:
+	bin/check-make-run
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

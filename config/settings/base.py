@@ -15,6 +15,8 @@ from typing import Any
 
 import dj_database_url
 
+from taskplatform.logs import PLAIN_FORMAT as PLAIN_LOG_FORMAT
+
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 VAR_DIR = Path(os.environ.get("TASKPLATFORM_VAR_DIR", BASE_DIR / "var"))
 
@@ -124,12 +126,22 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 
+#: ``plain`` (one readable line) or ``json`` (one object per line; production's default).
+#: Either way every line carries the execution id, idempotency key and fencing token.
+TASKPLATFORM_LOG_FORMAT = os.environ.get("TASKPLATFORM_LOG_FORMAT", "plain")
+_LOG_LEVEL = os.environ.get("TASKPLATFORM_LOG_LEVEL", "INFO")
 LOGGING: dict[str, Any] = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "loggers": {"taskplatform": {"handlers": ["console"], "level": os.environ.get("TASKPLATFORM_LOG_LEVEL", "INFO")}},
+    "filters": {"execution": {"()": "taskplatform.logs.ExecutionContextFilter"}},
+    "formatters": {"plain": {"format": PLAIN_LOG_FORMAT}, "json": {"()": "taskplatform.logs.JsonFormatter"}},
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": TASKPLATFORM_LOG_FORMAT, "filters": ["execution"]}
+    },
+    "loggers": {
+        "taskplatform": {"handlers": ["console"], "level": _LOG_LEVEL},
+        "tasks": {"handlers": ["console"], "level": _LOG_LEVEL},
+    },
 }
 
 # --- Celery (read by config/celery_app.py with namespace="CELERY") -----------------------------

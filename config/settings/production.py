@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 
 from .base import *  # noqa: F403
-from .base import env_bool
+from .base import LOGGING, env_bool
 
 SECRET_KEY = os.environ["DJANGO_SECRET_KEY"]
+TASKPLATFORM_LOG_FORMAT = os.environ.get("TASKPLATFORM_LOG_FORMAT", "json")
+LOGGING["handlers"]["console"]["formatter"] = TASKPLATFORM_LOG_FORMAT
 DEBUG = False
 SESSION_COOKIE_SECURE = env_bool("DJANGO_SECURE_COOKIES", True)
 CSRF_COOKIE_SECURE = env_bool("DJANGO_SECURE_COOKIES", True)

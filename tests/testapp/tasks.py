@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -136,3 +137,9 @@ def explicit_retry(self: IdempotentTask, succeed_on: int = 0) -> int:
 def sleepy(self: IdempotentTask, seconds: float = 5) -> None:
     _raw(self, "started")
     time.sleep(seconds)  # the body's own work
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.log_line")
+def log_line(self: IdempotentTask, text: str = "inside the body") -> None:
+    """Log one line from the body (structured-logging tests)."""
+    logging.getLogger("taskplatform.testapp").warning(text)

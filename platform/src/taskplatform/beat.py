@@ -50,6 +50,7 @@ from .backends import get_lock_backend
 from .backends.base import Lease, LockBackend, new_owner
 from .conf import PlatformSettings, platform_settings
 from .exceptions import ConfigurationError, SubmissionError
+from .logs import execution_context
 from .models import BeatProcess, JobDefinition, ScheduleCursor, SchedulerFence, Trigger
 from .slots import Clocked, Crontab, Interval, MisfirePolicy, Schedule, plan_due, slot_key
 
@@ -529,6 +530,10 @@ class LockedScheduler(DatabaseScheduler):
         """Nothing to write back: cursors are written with each publication."""
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        with execution_context(fencing_token=self.leadership.token or None):
+            return self._tick()
+
+    def _tick(self) -> float:
         started = time.monotonic()
         self.stats.ticks += 1
         close_old_connections()  # drop a connection a database outage broke; reconnects lazily

@@ -34,6 +34,7 @@ from . import ledger
 from .conf import platform_settings
 from .exceptions import StaleExecutionError
 from .heartbeat import Watch, lease_keeper
+from .logs import execution_context
 from .models import Trigger
 from .publisher import HEADER_EXECUTION
 from .retry import RetryPolicy, resolve_error_classes
@@ -251,6 +252,13 @@ class IdempotentTask(Task):
         claim = _retry_db(lambda: self._claim(request, worker, args, kwargs))
         if claim is None:
             return None
+        execution = claim.execution
+        with execution_context(execution.pk, execution.idempotency_key, claim.token):
+            return self._run_claimed(request, claim, worker, args, kwargs)
+
+    def _run_claimed(
+        self, request: Any, claim: ledger.Claim, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         execution = claim.execution
         if claim.outcome != "claimed":
             log.info(

@@ -1,0 +1,100 @@
+"""Structured logging: every line carries the execution it is about.
+
+While a worker runs an execution (and while the beat leader publishes), a context holds the
+execution id, idempotency key and fencing token. ``ExecutionContextFilter`` copies them onto
+every log record that passes a handler it is attached to (``None`` outside an execution;
+explicit ``extra={...}`` values win), so the platform's lines and the task body's own lines
+can be joined to the ledger. ``JsonFormatter`` writes one JSON object per line.
+
+``config/settings/base.py`` wires both (``TASKPLATFORM_LOG_FORMAT=json|plain``), and
+``config/celery_app.py`` applies them to Celery's own worker and beat handlers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from typing import Any
+
+#: The fields every record gets.
+FIELDS = ("execution_id", "idempotency_key", "fencing_token")
+#: A plain-text format that shows them.
+PLAIN_FORMAT = (
+    "%(asctime)s %(levelname)s %(name)s "
+    "[execution=%(execution_id)s key=%(idempotency_key)s token=%(fencing_token)s] %(message)s"
+)
+
+_context: ContextVar[dict[str, Any] | None] = ContextVar("taskplatform_log_context", default=None)
+
+# Attributes every LogRecord has; anything else on a record came from ``extra``.
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName"}
+
+
+@contextmanager
+def execution_context(
+    execution_id: int | None = None, idempotency_key: str | None = None, fencing_token: int | None = None
+) -> Iterator[None]:
+    """Log lines inside this block carry these values."""
+    token = _context.set(
+        {"execution_id": execution_id, "idempotency_key": idempotency_key, "fencing_token": fencing_token}
+    )
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def current_context() -> dict[str, Any]:
+    return dict(_context.get() or dict.fromkeys(FIELDS))
+
+
+class ExecutionContextFilter(logging.Filter):
+    """Adds ``execution_id``, ``idempotency_key`` and ``fencing_token`` to every record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = _context.get() or {}
+        for name in FIELDS:
+            if getattr(record, name, None) is None:
+                setattr(record, name, context.get(name))
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, the execution fields, extras."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        payload: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for name in FIELDS:
+            payload[name] = getattr(record, name, None)
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and key not in payload:
+                payload[key] = value
+        if record.exc_info:
+            payload["exc"] = self.formatException(record.exc_info)
+        return json.dumps(payload, default=str)
+
+
+def formatter(kind: str) -> logging.Formatter:
+    """The formatter for ``TASKPLATFORM_LOG_FORMAT`` (``json`` or ``plain``)."""
+    if kind == "json":
+        return JsonFormatter()
+    if kind == "plain":
+        return logging.Formatter(PLAIN_FORMAT)
+    raise ValueError(f"TASKPLATFORM_LOG_FORMAT must be 'json' or 'plain', not {kind!r}")
+
+
+def apply_to(logger: logging.Logger, kind: str) -> None:
+    """Give every handler of ``logger`` the context filter and the chosen formatter (Celery's)."""
+    for handler in logger.handlers:
+        if not any(isinstance(f, ExecutionContextFilter) for f in handler.filters):
+            handler.addFilter(ExecutionContextFilter())
+        handler.setFormatter(formatter(kind))

@@ -1,0 +1,79 @@
+"""Structured logs: every platform line names its execution, key and fencing token."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from taskplatform import submit
+from taskplatform.logs import ExecutionContextFilter, JsonFormatter
+from taskplatform.models import Execution
+from taskplatform.publisher import HEADER_EXECUTION
+from tests.helpers import state_of, wait_for
+from tests.testapp.tasks import log_line
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def json_lines() -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(ExecutionContextFilter())
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("taskplatform")
+    logger.addHandler(handler)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+
+
+def parsed(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines() if line.strip()]
+
+
+def test_body_and_platform_lines_carry_the_execution(json_lines: io.StringIO) -> None:
+    execution = submit(log_line, on_commit=False)
+    log_line.apply(task_id=execution.celery_task_id, headers={HEADER_EXECUTION: execution.pk})
+    log_line.apply(task_id="a-duplicate-delivery", headers={HEADER_EXECUTION: execution.pk})
+    lines = parsed(json_lines)
+    body = next(line for line in lines if line["message"] == "inside the body")
+    absorbed = next(line for line in lines if line["message"].startswith("delivery absorbed"))
+    for line in (body, absorbed):
+        assert line["execution_id"] == execution.pk
+        assert line["idempotency_key"] == execution.idempotency_key
+        assert line["level"] and line["ts"] and line["logger"].startswith("taskplatform")
+    assert body["fencing_token"] == 1
+
+
+def test_outside_an_execution_the_fields_are_present_and_empty(json_lines: io.StringIO) -> None:
+    logging.getLogger("taskplatform.test").warning("no execution here", extra={"detail": 7})
+    (line,) = parsed(json_lines)
+    assert line["execution_id"] is None and line["idempotency_key"] is None and line["fencing_token"] is None
+    assert line["detail"] == 7
+
+
+def test_a_real_worker_writes_json_lines_with_the_execution(workers: Any) -> None:
+    worker = workers.start(concurrency=1, env={"TASKPLATFORM_LOG_FORMAT": "json"})
+    execution = submit(log_line, kwargs={"text": "worker says hello"})
+    wait_for(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=60, what="the task")
+    execution = Execution.objects.get(pk=execution.pk)
+
+    def the_line() -> dict[str, Any] | None:
+        for raw in worker.log().splitlines():
+            if raw.startswith("{") and json.loads(raw)["message"] == "worker says hello":
+                return dict(json.loads(raw))
+        return None
+
+    line = wait_for(the_line, timeout=10, what="the body's line in the worker log")
+    assert (line["execution_id"], line["idempotency_key"], line["fencing_token"]) == (
+        execution.pk,
+        execution.idempotency_key,
+        execution.fencing_token,
+    )
