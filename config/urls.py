@@ -3,7 +3,10 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from taskplatform.metrics import metrics_view
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include("tasks.urls")),
+    path("metrics", metrics_view, name="metrics"),
 ]

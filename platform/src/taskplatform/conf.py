@@ -80,6 +80,12 @@ class PlatformSettings:
     #: How often the beat leader prunes the ledger, in seconds.
     prune_interval_seconds: int = 3600
 
+    # --- metrics (taskplatform.metrics) ---
+    #: Bearer token Prometheus presents to ``/metrics`` (empty: staff sessions only).
+    metrics_token: str = ""
+    #: Event and lateness metrics count the last this many seconds.
+    metrics_window_seconds: int = 300
+
 
 _FIELD_NAMES = {f.name for f in fields(PlatformSettings)}
 
