@@ -6,5 +6,7 @@ from . import views
 
 urlpatterns = [
     path("coupons/", views.request_coupon, name="api-coupons"),
+    path("reconciliations/", views.request_reconciliation, name="api-reconciliations"),
+    path("inventory/sync", views.request_inventory_sync, name="api-inventory-sync"),
     path("executions/<int:pk>", views.execution_detail, name="api-execution"),
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from datetime import date
 from functools import wraps
 from typing import Any
 
@@ -146,6 +147,53 @@ def request_coupon(request: HttpRequest) -> HttpResponse:
     if not Campaign.objects.filter(slug=campaign).exists():
         raise HttpError(400, "invalid_arguments", f"no campaign {campaign!r}")
     return submit_for(request, "tasks.issue_coupon", [campaign, request.user.pk], {})
+
+
+def _require_staff(request: HttpRequest) -> None:
+    if not _user(request).is_staff:
+        raise HttpError(403, "forbidden", "operators only (staff users)")
+
+
+def _only(data: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise HttpError(400, "invalid_arguments", f"unknown field(s): {', '.join(unknown)}")
+
+
+@require_POST
+@api_auth
+@handles_errors
+def request_reconciliation(request: HttpRequest) -> HttpResponse:
+    """``POST /api/reconciliations/`` ``{"day": "YYYY-MM-DD", "shards": 4}`` (staff): reconcile a day.
+
+    Shards are keyed by day and shard count, so re-running a day resumes it: finished shards
+    are not run again.
+    """
+    _require_staff(request)
+    data = json_body(request)
+    _only(data, {"day", "shards"})
+    day, shards = data.get("day"), data.get("shards", 4)
+    try:
+        parsed = date.fromisoformat(day) if isinstance(day, str) else None
+    except ValueError:
+        parsed = None
+    if parsed is None:
+        raise HttpError(400, "invalid_arguments", "'day' must be a date, YYYY-MM-DD")
+    if parsed >= timezone.localdate():
+        raise HttpError(400, "invalid_arguments", f"{parsed} has not ended yet; reconcile a past day")
+    if not isinstance(shards, int) or isinstance(shards, bool) or not 1 <= shards <= 64:
+        raise HttpError(400, "invalid_arguments", "'shards' must be an integer from 1 to 64")
+    return submit_for(request, "tasks.reconcile_payments", [], {"day": parsed.isoformat(), "shards": shards})
+
+
+@require_POST
+@api_auth
+@handles_errors
+def request_inventory_sync(request: HttpRequest) -> HttpResponse:
+    """``POST /api/inventory/sync`` ``{}`` (staff): push stock levels downstream now."""
+    _require_staff(request)
+    _only(json_body(request), set())
+    return submit_for(request, "tasks.sync_inventory", [], {})
 
 
 @require_GET

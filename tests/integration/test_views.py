@@ -173,3 +173,46 @@ def test_a_burst_of_1000_requests_for_100_coupons_issues_exactly_100(workers: An
     results: list[dict[str, Any]] = list(executions.values_list("result", flat=True))
     assert sum(r["issued"] for r in results) == 100
     assert sum(r.get("reason") == "sold out" for r in results) == 300
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"day": "yesterday"}, "'day' must be a date"),
+        ({}, "'day' must be a date"),
+        ({"day": "2999-01-01"}, "has not ended yet"),
+        ({"day": "2026-11-01", "shards": 0}, "'shards' must be an integer from 1 to 64"),
+        ({"day": "2026-11-01", "shards": True}, "'shards' must be an integer"),
+        ({"day": "2026-11-01", "extra": 1}, "unknown field(s): extra"),
+    ],
+)
+def test_reconciliation_requests_are_validated(body: dict[str, Any], fragment: str) -> None:
+    ops = token_client(User.objects.create_user("ops", is_staff=True))
+    response = ops.post("/api/reconciliations/", data=json.dumps(body), content_type="application/json")
+    assert response.status_code == 400 and fragment in response.json()["detail"]
+    assert not Execution.objects.exists()
+
+
+def test_operator_endpoints_are_for_staff_and_a_rerun_of_a_day_resumes_it(workers: Any) -> None:
+    workers.start(concurrency=2)
+    alice = token_client(User.objects.create_user("alice"))
+    ops = token_client(User.objects.create_user("ops", is_staff=True))
+    body = json.dumps({"day": "2026-11-01", "shards": 2})
+    forbidden = alice.post("/api/reconciliations/", data=body, content_type="application/json")
+    assert forbidden.status_code == 403
+    assert alice.post("/api/inventory/sync", data="{}", content_type="application/json").status_code == 403
+
+    first = ops.post("/api/reconciliations/", data=body, content_type="application/json")
+    assert first.status_code == 202
+    wait_for(
+        lambda: Execution.objects.filter(task_name="tasks.reconcile_payment_shard", state="SUCCEEDED").count() == 2,
+        timeout=60,
+        what="both shards",
+    )
+    again = ops.post("/api/reconciliations/", data=body, content_type="application/json")
+    assert again.status_code == 202  # a new run of the day (no Idempotency-Key) ...
+    run = again.json()["id"]
+    done = wait_for(lambda: (r := ops.get(f"/api/executions/{run}").json())["state"] == "SUCCEEDED" and r, timeout=60,
+                    what="the re-run")  # fmt: skip
+    assert done["result"]["submitted"] == 0  # ... which finds both shards done
+    assert Execution.objects.filter(task_name="tasks.reconcile_payment_shard").count() == 2
