@@ -1,25 +1,91 @@
-"""Admin registrations: job definitions and a read-only view of the ledger.
+"""The operator console in the Django admin: the ledger, jobs, locks, and audited actions.
 
-The ledger is read-only here by design: state changes go through ``taskplatform.ledger``
-(operator actions with reasons and permissions are added by the operator console).
+Execution rows are read-only: state changes go through ``taskplatform.console`` (and so the
+ledger), only along legal transitions, each behind its own permission, each after a
+confirmation page that asks for a reason, each recorded with who and why.
 """
 
 from __future__ import annotations
 
+import json
+import uuid
+from datetime import timedelta
 from typing import Any
 
-from django.contrib import admin
-from django.http import HttpRequest
+from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.core.exceptions import PermissionDenied
+from django.db.models import Q, QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
 
-from .models import Execution, ExecutionEvent, JobDefinition
+from . import console
+from .exceptions import TaskPlatformError
+from .models import Execution, ExecutionEvent, JobDefinition, LockLease, OperatorAction
+from .states import Actor as _Actor
+from .states import State, find_transition
+
+BADGE_COLOURS = {
+    State.PENDING: "#6c757d",
+    State.RUNNING: "#0d6efd",
+    State.RETRYING: "#fd7e14",
+    State.SUCCEEDED: "#198754",
+    State.FAILED: "#dc3545",
+    State.CANCELLED: "#495057",
+}
 
 
-@admin.register(JobDefinition)
-class JobDefinitionAdmin(admin.ModelAdmin):
-    list_display = ("slug", "task", "periodic_task", "misfire_policy", "queue", "max_attempts", "enabled", "updated_at")
-    list_select_related = ("periodic_task",)
-    list_filter = ("enabled", "queue")
-    search_fields = ("slug", "task", "description")
+def badge(state: str) -> str:
+    return format_html(
+        '<span class="tp-badge" style="background:{};color:#fff;padding:1px 7px;border-radius:9px;'
+        'font-size:11px;font-weight:600">{}</span>',
+        BADGE_COLOURS.get(State(state), "#6c757d"),
+        state,
+    )
+
+
+def pretty_json(value: Any) -> str:
+    return format_html("<pre style='margin:0;white-space:pre-wrap'>{}</pre>", json.dumps(value, indent=2, default=str))
+
+
+def user_label(request: HttpRequest) -> str:
+    return str(getattr(request.user, "get_username", lambda: "")() or "unknown")
+
+
+# --- executions ------------------------------------------------------------------------------
+
+
+class DeadLetterFilter(admin.SimpleListFilter):
+    title = "dead letters"
+    parameter_name = "dead_letter"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "dead letters only")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Execution]) -> QuerySet[Execution]:
+        return queryset.filter(state=State.FAILED) if self.value() == "yes" else queryset
+
+
+class StuckFilter(admin.SimpleListFilter):
+    """Running past its lease, or waiting past its due time: what the rescuer should be handling."""
+
+    title = "stuck"
+    parameter_name = "stuck"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "lease expired or overdue")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Execution]) -> QuerySet[Execution]:
+        if self.value() != "yes":
+            return queryset
+        now = timezone.now()
+        return queryset.filter(
+            Q(state=State.RUNNING, lease_expires_at__lt=now)
+            | Q(state__in=(State.PENDING, State.RETRYING), due_at__lt=now)
+        )
 
 
 class ExecutionEventInline(admin.TabularInline):
@@ -38,14 +104,388 @@ class ExecutionEventInline(admin.TabularInline):
 
 @admin.register(Execution)
 class ExecutionAdmin(admin.ModelAdmin):
-    list_display = ("id", "task_name", "idempotency_key", "state", "attempts", "trigger", "created_at", "finished_at")
-    list_filter = ("state", "trigger", "task_name")
-    search_fields = ("idempotency_key", "celery_task_id", "task_name")
+    list_display = (
+        "id", "state_badge", "task_name", "job", "idempotency_key", "attempts", "trigger", "created_at", "finished_at",
+    )  # fmt: skip
+    list_display_links = ("id", "idempotency_key")
+    list_filter = (DeadLetterFilter, StuckFilter, "state", "trigger", "job", ("created_at", admin.DateFieldListFilter))
+    search_fields = ("idempotency_key", "celery_task_id", "job__slug", "task_name")
     date_hierarchy = "created_at"
+    list_select_related = ("job",)
     inlines = [ExecutionEventInline]
+    actions = ["retry_now", "requeue_dead_letters", "cancel", "mark_failed", "mark_succeeded"]
+    fieldsets = (
+        (None, {"fields": ("state_badge", "task_name", "job", "idempotency_key", "trigger", "attempts")}),
+        ("Timeline", {"fields": ("timeline",)}),
+        ("Input and output", {"fields": ("arguments", "result_pretty", "last_error", "traceback")}),
+        (
+            "Delivery",
+            {
+                "classes": ("collapse",),
+                "fields": (
+                    "celery_task_id", "worker", "fencing_token", "lease_expires_at", "queue", "priority",
+                    "scheduled_for", "due_at", "publish_count", "created_at", "started_at", "finished_at",
+                ),
+            },
+        ),
+    )  # fmt: skip
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, obj: Execution) -> str:
+        return badge(obj.state)
+
+    @admin.display(description="arguments")
+    def arguments(self, obj: Execution) -> str:
+        return pretty_json({"args": obj.args, "kwargs": obj.kwargs})
+
+    @admin.display(description="result")
+    def result_pretty(self, obj: Execution) -> str:
+        return pretty_json(obj.result)
+
+    @admin.display(description="traceback of the last failure")
+    def traceback(self, obj: Execution) -> str:
+        return format_html("<pre style='white-space:pre-wrap'>{}</pre>", obj.last_traceback or "—")
+
+    @admin.display(description="events")
+    def timeline(self, obj: Execution) -> str:
+        rows = []
+        for e in obj.events.order_by("id"):
+            detail = e.reason or e.data.get("error") or ""
+            if "duration_ms" in e.data:
+                detail = f"{e.data['duration_ms']} ms {detail}".strip()
+            if "due_at" in e.data:
+                detail = f"next attempt due {e.data['due_at']} {detail}".strip()
+            rows.append(
+                (
+                    e.at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+                    e.kind,
+                    f"{e.from_state or '·'} → {e.to_state or '·'}",
+                    e.attempt,
+                    e.fencing_token,
+                    e.actor,
+                    detail,
+                )
+            )
+        body = format_html_join(
+            "", "<tr><td>{}</td><td><b>{}</b></td><td>{}</td><td>#{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", rows
+        )
+        return format_html(
+            "<table class='tp-timeline'><thead><tr><th>at</th><th>event</th><th>transition</th><th>attempt</th>"
+            "<th>token</th><th>by</th><th>detail</th></tr></thead><tbody>{}</tbody></table>",
+            body,
+        )
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [f.name for f in Execution._meta.fields]
+        return [f.name for f in Execution._meta.fields] + [
+            "state_badge", "arguments", "result_pretty", "traceback", "timeline",
+        ]  # fmt: skip
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    # -- operator actions: each with its permission, a confirmation page and a reason --
+
+    def _has(self, request: HttpRequest, codename: str) -> bool:
+        return bool(request.user.has_perm(f"taskplatform.{codename}"))
+
+    def has_retry_permission(self, request: HttpRequest) -> bool:
+        return self._has(request, "retry_execution")
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return self._has(request, "cancel_execution")
+
+    def has_mark_failed_permission(self, request: HttpRequest) -> bool:
+        return self._has(request, "mark_failed_execution")
+
+    def has_mark_succeeded_permission(self, request: HttpRequest) -> bool:
+        return self._has(request, "mark_succeeded_execution")
+
+    @admin.action(description="Retry now…", permissions=["retry"])
+    def retry_now(self, request: HttpRequest, queryset: QuerySet[Execution]) -> HttpResponse | None:
+        return self._confirm_and_apply(request, queryset, "retry_now", "retry_now")
+
+    @admin.action(description="Requeue the selected dead letters…", permissions=["retry"])
+    def requeue_dead_letters(self, request: HttpRequest, queryset: QuerySet[Execution]) -> HttpResponse | None:
+        return self._confirm_and_apply(request, queryset, "retry_now", "requeue_dead_letters", only=State.FAILED)
+
+    @admin.action(description="Cancel (revokes queued or running work)…", permissions=["cancel"])
+    def cancel(self, request: HttpRequest, queryset: QuerySet[Execution]) -> HttpResponse | None:
+        return self._confirm_and_apply(request, queryset, "cancel", "cancel")
+
+    @admin.action(description="Mark failed…", permissions=["mark_failed"])
+    def mark_failed(self, request: HttpRequest, queryset: QuerySet[Execution]) -> HttpResponse | None:
+        return self._confirm_and_apply(request, queryset, "mark_failed", "mark_failed")
+
+    @admin.action(description="Mark succeeded (fixed by hand)…", permissions=["mark_succeeded"])
+    def mark_succeeded(self, request: HttpRequest, queryset: QuerySet[Execution]) -> HttpResponse | None:
+        return self._confirm_and_apply(request, queryset, "mark_succeeded", "mark_succeeded")
+
+    def _confirm_and_apply(
+        self,
+        request: HttpRequest,
+        queryset: QuerySet[Execution],
+        action_name: str,
+        admin_action: str,
+        only: State | None = None,
+    ) -> HttpResponse | None:
+        action = console.ACTIONS[action_name]
+        if request.POST.get("confirm") == "yes":
+            reason = request.POST.get("reason", "").strip()
+            expected = {
+                int(k.removeprefix("expected_")): str(request.POST[k])
+                for k in request.POST
+                if k.startswith("expected_")
+            }
+            if not reason:
+                self.message_user(request, "A reason is required; nothing changed.", messages.ERROR)
+            elif not expected:
+                self.message_user(request, "Nothing was selected; nothing changed.", messages.WARNING)
+            else:
+                if only is not None:
+                    expected = {pk: seen for pk, seen in expected.items() if seen == only}
+                outcome = console.apply(action_name, expected, user=user_label(request), reason=reason)
+                if outcome.changed:
+                    self.message_user(
+                        request, f"{action.label}: {len(outcome.changed)} execution(s) changed.", messages.SUCCESS
+                    )
+                for pk, why in outcome.refused.items():
+                    self.message_user(request, f"Execution {pk} not changed: {why}", messages.ERROR)
+            return None
+        rows = []
+        for execution in queryset.order_by("id"):
+            legal, why = True, ""
+            if only is not None and execution.state != only:
+                legal, why = False, f"not a dead letter ({execution.state})"
+            else:
+                try:
+                    find_transition(execution.state, action.target, _Actor.OPERATOR)
+                except TaskPlatformError as exc:
+                    legal, why = False, str(exc)
+            rows.append({"execution": execution, "badge": badge(execution.state), "legal": legal, "why": why})
+        legal_count = sum(1 for r in rows if r["legal"])
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"{action.label}: confirm",
+            "opts": self.model._meta,
+            "action": admin_action,
+            "action_label": action.label,
+            "rows": rows,
+            "legal_count": legal_count,
+            "checkbox_name": ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/taskplatform/confirm_action.html", context)
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+
+@admin.register(JobDefinition)
+class JobDefinitionAdmin(admin.ModelAdmin):
+    list_display = ("slug", "task", "schedule", "misfire_policy", "queue", "max_attempts", "enabled", "updated_at")
+    list_filter = ("enabled", "queue", "misfire_policy")
+    search_fields = ("slug", "task", "description")
+    list_select_related = ("periodic_task__crontab", "periodic_task__interval", "periodic_task__clocked")
+    actions = ["pause", "resume", "run_now", "duplicate"]
+
+    @admin.display(description="schedule")
+    def schedule(self, obj: JobDefinition) -> str:
+        task = obj.periodic_task
+        if task is None:
+            return "—"
+        if task.crontab is not None:
+            c = task.crontab
+            return f"{c.minute} {c.hour} {c.day_of_month} {c.month_of_year} {c.day_of_week} ({c.timezone})"
+        if task.interval is not None:
+            return f"every {task.interval.every} {task.interval.period}"
+        if task.clocked is not None:
+            return f"once at {task.clocked.clocked_time:%Y-%m-%d %H:%M %Z}"
+        return "—"
+
+    def has_pause_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("taskplatform.pause_jobdefinition"))
+
+    def has_run_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("taskplatform.run_jobdefinition"))
+
+    @admin.action(description="Pause the selected jobs", permissions=["pause"])
+    def pause(self, request: HttpRequest, queryset: QuerySet[JobDefinition]) -> None:
+        self._set_enabled(request, queryset, False)
+
+    @admin.action(description="Resume the selected jobs", permissions=["pause"])
+    def resume(self, request: HttpRequest, queryset: QuerySet[JobDefinition]) -> None:
+        self._set_enabled(request, queryset, True)
+
+    def _set_enabled(self, request: HttpRequest, queryset: QuerySet[JobDefinition], enabled: bool) -> None:
+        verb = "resumed" if enabled else "paused"
+        changed = [
+            job.slug
+            for job in queryset
+            if console.set_job_enabled(job, enabled, user=user_label(request), reason=f"{verb} in the admin")
+        ]
+        self.message_user(request, f"{len(changed)} job(s) {verb}: {', '.join(changed) or 'none'}.")
+
+    @admin.action(description="Run now…", permissions=["run"])
+    def run_now(self, request: HttpRequest, queryset: QuerySet[JobDefinition]) -> HttpResponse | None:
+        if request.POST.get("confirm") == "yes":
+            token = request.POST.get("token", "")
+            if not token:
+                self.message_user(request, "The confirmation form is incomplete; nothing ran.", messages.ERROR)
+                return None
+            for job in queryset:
+                try:
+                    execution, created = console.run_job_now(
+                        job, user=user_label(request), request_token=token, reason=request.POST.get("reason", "")
+                    )
+                except TaskPlatformError as exc:
+                    self.message_user(request, f"{job.slug}: not run: {exc}", messages.ERROR)
+                    continue
+                url = reverse("admin:taskplatform_execution_change", args=[execution.pk])
+                self.message_user(
+                    request,
+                    format_html(
+                        "{}: {} <a href='{}'>execution {}</a>",
+                        job.slug,
+                        "started" if created else "already started by this form:",
+                        url,
+                        execution.pk,
+                    ),
+                    messages.SUCCESS if created else messages.WARNING,
+                )
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Run now: confirm",
+            "opts": self.model._meta,
+            "action": "run_now",
+            "action_label": "Run now",
+            "jobs": list(queryset),
+            "token": uuid.uuid4().hex,
+            "checkbox_name": ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/taskplatform/confirm_run.html", context)
+
+    @admin.action(description="Duplicate (a paused copy, without schedule)", permissions=["add"])
+    def duplicate(self, request: HttpRequest, queryset: QuerySet[JobDefinition]) -> None:
+        for job in queryset:
+            slug = f"{job.slug}-copy"
+            n = 2
+            while JobDefinition.objects.filter(slug=slug).exists():
+                slug, n = f"{job.slug}-copy-{n}", n + 1
+            copy = console.duplicate_job(job, user=user_label(request), new_slug=slug)
+            self.message_user(request, f"{job.slug} copied to {copy.slug} (paused).")
+
+
+# --- locks and leadership ----------------------------------------------------------------------
+
+
+@admin.register(LockLease)
+class LockAdmin(admin.ModelAdmin):
+    """The locks page: every lease on every configured backend, the beat leader, its followers."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_urls(self) -> list[Any]:
+        release = self.admin_site.admin_view(self.force_release_view)
+        return [path("force-release/", release, name="taskplatform_lock_release"), *super().get_urls()]
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        return TemplateResponse(request, "admin/taskplatform/locks.html", self._locks_context(request))
+
+    def _locks_context(self, request: HttpRequest) -> dict[str, Any]:
+        from .backends import backend_config, get_lock_backend
+        from .conf import platform_settings
+        from .models import BeatProcess, SchedulerFence
+
+        conf = platform_settings()
+        aliases = sorted(set(conf.lock_backends or {}) | {"default"})
+        backends = []
+        for alias in aliases:
+            entry: dict[str, Any] = {"alias": alias, "backend": backend_config(alias)["BACKEND"], "locks": []}
+            try:
+                backend = get_lock_backend(alias)
+                infos = {info.name: info for info in backend.locks()}
+                if alias == conf.beat_lock_alias and conf.beat_lock_name not in infos:
+                    info = backend.inspect(conf.beat_lock_name)
+                    if info is not None:
+                        infos[info.name] = info
+                entry["locks"] = sorted(infos.values(), key=lambda i: i.name)
+            except Exception as exc:  # an unreachable lock server is what the page must show
+                entry["error"] = str(exc)
+            backends.append(entry)
+        now = timezone.now()
+        return {
+            **self.admin_site.each_context(request),
+            "title": "Locks and beat leadership",
+            "opts": self.model._meta,
+            "backends": backends,
+            "fence": SchedulerFence.objects.filter(name=conf.beat_lock_name).first(),
+            "beats": BeatProcess.objects.filter(
+                lock_name=conf.beat_lock_name, last_seen_at__gte=now - timedelta(hours=1)
+            ),
+            "beat_lock": conf.beat_lock_name,
+            "can_release": request.user.has_perm("taskplatform.force_release_locklease"),
+            "now": now,
+        }
+
+    def force_release_view(self, request: HttpRequest) -> HttpResponse:
+        if not request.user.has_perm("taskplatform.force_release_locklease"):
+            raise PermissionDenied
+        alias = request.POST.get("alias") or request.GET.get("alias", "")
+        name = request.POST.get("name") or request.GET.get("name", "")
+        if request.method == "POST" and request.POST.get("confirm") == "yes":
+            reason = request.POST.get("reason", "").strip()
+            if not reason:
+                self.message_user(request, "A reason is required; the lock was not released.", messages.ERROR)
+            else:
+                try:
+                    released = console.force_release_lock(alias, name, user=user_label(request), reason=reason)
+                except TaskPlatformError as exc:
+                    self.message_user(request, f"Not released: {exc}", messages.ERROR)
+                else:
+                    self.message_user(
+                        request,
+                        f"Lock {name} on {alias} released." if released else f"Lock {name} was not held.",
+                        messages.SUCCESS if released else messages.WARNING,
+                    )
+            return HttpResponseRedirect(reverse("admin:taskplatform_locklease_changelist"))
+        from .backends import get_lock_backend
+
+        info = get_lock_backend(alias).inspect(name) if alias and name else None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Force-release a lock: confirm",
+            "opts": self.model._meta,
+            "alias": alias,
+            "name": name,
+            "info": info,
+        }
+        return TemplateResponse(request, "admin/taskplatform/confirm_release.html", context)
+
+
+# --- audit ---------------------------------------------------------------------------------------
+
+
+@admin.register(OperatorAction)
+class OperatorActionAdmin(admin.ModelAdmin):
+    list_display = ("at", "user", "action", "target", "reason")
+    list_filter = ("action",)
+    search_fields = ("user", "target", "reason")
+    date_hierarchy = "at"
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -131,6 +131,10 @@ class JobDefinition(models.Model):
 
     class Meta:
         ordering = ["slug"]
+        permissions = [
+            ("pause_jobdefinition", "Can pause and resume jobs"),
+            ("run_jobdefinition", "Can run jobs now"),
+        ]
 
     def __str__(self) -> str:
         return self.slug
@@ -214,6 +218,12 @@ class Execution(models.Model):
 
     class Meta:
         ordering = ["-id"]
+        permissions = [
+            ("retry_execution", "Can retry executions now (dead letters, cancelled, waiting retries)"),
+            ("cancel_execution", "Can cancel executions"),
+            ("mark_failed_execution", "Can mark running executions failed"),
+            ("mark_succeeded_execution", "Can mark dead letters succeeded"),
+        ]
         indexes = [
             models.Index(fields=["state", "due_at"], name="tp_exec_state_due"),
             models.Index(fields=["state", "lease_expires_at"], name="tp_exec_state_lease"),
@@ -275,6 +285,7 @@ class LockLease(models.Model):
 
     class Meta:
         ordering = ["name"]
+        permissions = [("force_release_locklease", "Can force-release locks")]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.owner or 'free'})"
@@ -336,3 +347,25 @@ class BeatProcess(models.Model):
 
     def __str__(self) -> str:
         return f"{self.identity} ({'leader' if self.is_leader else 'follower'})"
+
+
+class OperatorAction(models.Model):
+    """The audit log of operator actions that are not execution transitions.
+
+    Execution transitions are audited as ``ExecutionEvent`` rows (kind ``operator``); job
+    pauses, runs and copies and lock releases are recorded here, with who and why. Rows are
+    never updated.
+    """
+
+    at = models.DateTimeField(auto_now_add=True)
+    user = models.CharField(max_length=150)
+    action = models.CharField(max_length=64)
+    target = models.CharField(max_length=255, help_text="What the action was applied to, e.g. job:<slug>.")
+    reason = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M} {self.user} {self.action} {self.target}"

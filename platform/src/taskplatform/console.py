@@ -1,0 +1,148 @@
+"""The operator console's actions, independent of the admin that offers them.
+
+Every action checks legality against the transitions table (``states.py``), needs a reason,
+and leaves an audit record: an ``ExecutionEvent`` of kind ``operator`` for an execution, an
+``OperatorAction`` row for anything else. An action on an execution names the state the
+operator saw (``expected_state``): if the row moved since, nothing changes, so the same form
+submitted twice acts once. Illegal requests raise ``IllegalTransitionError`` and change
+nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import transaction
+
+from . import ledger
+from .exceptions import IllegalTransitionError, LedgerError, TaskPlatformError
+from .models import Execution, JobDefinition, OperatorAction, Trigger
+from .states import State
+
+log = logging.getLogger("taskplatform.console")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One operator action on executions: which transition, which permission."""
+
+    name: str
+    label: str
+    target: State
+    permission: str  # codename in the taskplatform app
+
+
+ACTIONS: dict[str, Action] = {
+    a.name: a
+    for a in (
+        Action("retry_now", "Retry now", State.PENDING, "retry_execution"),
+        Action("cancel", "Cancel", State.CANCELLED, "cancel_execution"),
+        Action("mark_failed", "Mark failed", State.FAILED, "mark_failed_execution"),
+        Action("mark_succeeded", "Mark succeeded (fixed by hand)", State.SUCCEEDED, "mark_succeeded_execution"),
+    )
+}
+
+
+@dataclass
+class Outcome:
+    """What a bulk action did: executions changed, and the refusals with their reasons."""
+
+    changed: list[int] = field(default_factory=list)
+    refused: dict[int, str] = field(default_factory=dict)
+
+
+def apply(action_name: str, expected: dict[int, str], *, user: str, reason: str, revoke: bool = True) -> Outcome:
+    """Apply ``action_name`` to each execution ``id`` seen in state ``expected[id]``."""
+    action = ACTIONS[action_name]
+    if not reason or not reason.strip():
+        raise LedgerError("a reason is required for an operator action")
+    outcome = Outcome()
+    for execution_id, seen in expected.items():
+        try:
+            execution = ledger.operator_transition(
+                execution_id, action.target, user=user, reason=reason.strip(), expected_state=seen
+            )
+        except (IllegalTransitionError, LedgerError) as exc:
+            outcome.refused[execution_id] = str(exc)
+            continue
+        outcome.changed.append(execution_id)
+        if action.target == State.CANCELLED and revoke and execution.celery_task_id:
+            _revoke(execution, running=seen == State.RUNNING)
+    return outcome
+
+
+def _revoke(execution: Execution, *, running: bool) -> None:
+    """Tell the workers: drop the queued message, or stop the running body.
+
+    Best effort: the ledger already says CANCELLED, so a body that still finishes has its
+    write-back refused and a message that still arrives is absorbed.
+    """
+    from celery import current_app
+
+    try:
+        current_app.control.revoke(execution.celery_task_id, terminate=running, signal="SIGTERM")
+    except Exception as exc:  # the broker being down must not undo a cancellation
+        log.warning("revoke of %s failed: %s", execution.celery_task_id, exc, extra={"execution_id": execution.pk})
+
+
+def audit(user: str, action: str, target: str, reason: str = "", **data: Any) -> OperatorAction:
+    return OperatorAction.objects.create(user=user, action=action, target=target, reason=reason, data=data)
+
+
+def set_job_enabled(job: JobDefinition, enabled: bool, *, user: str, reason: str) -> bool:
+    """Pause or resume a job; False if it already was (nothing recorded)."""
+    with transaction.atomic():
+        changed = JobDefinition.objects.filter(pk=job.pk, enabled=not enabled).update(enabled=enabled)
+        if changed:
+            audit(user, "resume_job" if enabled else "pause_job", f"job:{job.slug}", reason)
+    return bool(changed)
+
+
+def run_job_now(job: JobDefinition, *, user: str, request_token: str, reason: str = "") -> tuple[Execution, bool]:
+    """Submit ``job`` now, keyed by the confirmation form's token: a double click runs it once."""
+    from .api import submit_or_get
+
+    key = f"{job.slug}@admin:{request_token}"
+    with transaction.atomic():
+        execution, created = submit_or_get(job, idempotency_key=key, trigger=Trigger.ADMIN)
+        if created:
+            audit(user, "run_job_now", f"job:{job.slug}", reason, execution_id=execution.pk)
+    return execution, created
+
+
+def duplicate_job(job: JobDefinition, *, user: str, new_slug: str) -> JobDefinition:
+    """A paused copy of ``job`` without its schedule (give the copy one deliberately)."""
+    if JobDefinition.objects.filter(slug=new_slug).exists():
+        raise TaskPlatformError(f"a job {new_slug!r} exists already")
+    with transaction.atomic():
+        copy = JobDefinition.objects.get(pk=job.pk)
+        copy.pk = None
+        copy.slug = new_slug
+        copy.enabled = False
+        copy.periodic_task = None
+        copy.save()
+        audit(user, "duplicate_job", f"job:{job.slug}", data={"copy": new_slug})
+    return copy
+
+
+def force_release_lock(alias: str, name: str, *, user: str, reason: str) -> bool:
+    """Free a lock whoever holds it (a stuck beat lease, say); audited. True if it was held."""
+    from .backends import get_lock_backend
+
+    if not reason or not reason.strip():
+        raise LedgerError("a reason is required to force-release a lock")
+    backend = get_lock_backend(alias)
+    before = backend.inspect(name)
+    released = backend.force_release(name)
+    audit(
+        user,
+        "force_release_lock",
+        f"lock:{alias}:{name}",
+        reason.strip(),
+        released=released,
+        holder=before.owner if before else None,
+        fencing_token=before.token if before else None,
+    )
+    return released

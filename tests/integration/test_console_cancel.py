@@ -1,0 +1,54 @@
+"""Cancelling from the console stops work that is queued or already running on a real worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+
+from taskplatform import submit
+from taskplatform.models import Execution
+from tests.helpers import state_of, wait_for
+from tests.testapp.models import Effect, EffectRaw
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def cancel(execution: Execution, seen: str) -> None:
+    if not User.objects.filter(username="root").exists():
+        User.objects.create_superuser("root", password="pw")
+    client = Client()
+    client.login(username="root", password="pw")
+    client.post(
+        "/admin/taskplatform/execution/",
+        {"action": "cancel", "_selected_action": [execution.pk], "confirm": "yes", "reason": "wrong customer",
+         f"expected_{execution.pk}": seen},
+    )  # fmt: skip
+
+
+def test_cancelling_a_running_execution_stops_its_body_and_its_write_back(workers: Any, open_gate: Any) -> None:
+    worker = workers.start(concurrency=1)
+    execution = submit("testapp.effect", kwargs={"gate": "cancel-me"})
+    wait_for(lambda: state_of(execution.pk) == "RUNNING", timeout=60, what="the body to start")
+    wait_for(lambda: EffectRaw.objects.filter(key=execution.idempotency_key).exists(), timeout=30, what="started")
+    pid = EffectRaw.objects.get(key=execution.idempotency_key).pid
+    cancel(execution, "RUNNING")
+    assert state_of(execution.pk) == "CANCELLED"
+    # The revoke terminates the pool child running the body (Celery replaces it).
+    wait_for(lambda: pid not in {c.pid for c in worker.pool_children()}, timeout=30, what="the body's process to end")
+    open_gate("cancel-me:1")  # had the body survived, it would now write its effect
+    assert not Effect.objects.filter(key=execution.idempotency_key).exists()
+    assert state_of(execution.pk) == "CANCELLED"
+
+
+def test_cancelling_a_queued_execution_means_it_never_runs(workers: Any) -> None:
+    execution = submit("testapp.effect", kwargs={})
+    cancel(execution, "PENDING")
+    assert state_of(execution.pk) == "CANCELLED"
+    workers.start(concurrency=1)  # the message is delivered now: revoked, or absorbed by the ledger
+    probe = submit("testapp.effect", kwargs={})  # a later task runs, so the worker did consume
+    wait_for(lambda: state_of(probe.pk) == "SUCCEEDED", timeout=60, what="a later task")
+    assert not EffectRaw.objects.filter(key=execution.idempotency_key).exists()
+    assert state_of(execution.pk) == "CANCELLED"

@@ -1,0 +1,227 @@
+"""The operator console's actions through the Django test client.
+
+For every action: refused without its permission, CSRF enforced, a reason required on a
+confirmation page, illegal transitions refused with a message and no change, the audit
+record written, and the same form submitted twice acting once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+
+from taskplatform import ledger
+from taskplatform.backends import get_lock_backend
+from taskplatform.models import Execution, ExecutionEvent, JobDefinition, OperatorAction
+from taskplatform.states import State
+
+pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
+
+CHANGELIST = "/admin/taskplatform/execution/"
+
+
+def make_execution(key: str, state: str) -> Execution:
+    execution, _ = ledger.create(
+        ledger.NewExecution(idempotency_key=key, task_name="testapp.effect", args=[], kwargs={})
+    )
+    if state == State.PENDING:
+        return execution
+    claim = ledger.claim(execution, worker="w:1", celery_task_id="t", lease_seconds=60, max_attempts=1)
+    assert claim is not None
+    if state == State.FAILED:
+        ledger.dead_letter(claim.execution, claim.token, error="boom", traceback="Traceback: boom", worker="w:1")
+    elif state == State.SUCCEEDED:
+        ledger.succeed(claim.execution, claim.token, {"ok": 1}, worker="w:1", data={})
+    execution.refresh_from_db()
+    assert execution.state == state
+    return execution
+
+
+def operator(*codenames: str, username: str = "op") -> Client:
+    user = User.objects.create_user(username, password="pw", is_staff=True)
+    perms = Permission.objects.filter(
+        content_type__app_label="taskplatform", codename__in=["view_execution", "view_jobdefinition", *codenames]
+    )
+    user.user_permissions.add(*perms)
+    client = Client()
+    client.login(username=username, password="pw")
+    return client
+
+
+def act(client: Client, action: str, executions: list[Execution], reason: str | None = None, **extra: str) -> Any:
+    data: dict[str, Any] = {"action": action, "_selected_action": [e.pk for e in executions], **extra}
+    if reason is not None:
+        data.update(confirm="yes", reason=reason)
+        for e in executions:
+            data.setdefault(f"expected_{e.pk}", e.state)
+    return client.post(CHANGELIST, data, follow=True)
+
+
+def operator_events(execution: Execution) -> list[ExecutionEvent]:
+    return list(ExecutionEvent.objects.filter(execution=execution, kind="operator"))
+
+
+@pytest.mark.parametrize(
+    ("action", "codename", "state", "target"),
+    [
+        ("retry_now", "retry_execution", State.FAILED, State.PENDING),
+        ("requeue_dead_letters", "retry_execution", State.FAILED, State.PENDING),
+        ("cancel", "cancel_execution", State.PENDING, State.CANCELLED),
+        ("mark_failed", "mark_failed_execution", State.RUNNING, State.FAILED),
+        ("mark_succeeded", "mark_succeeded_execution", State.FAILED, State.SUCCEEDED),
+    ],
+)
+def test_each_action_needs_its_permission_a_confirmation_and_a_reason_and_is_audited(
+    action: str, codename: str, state: str, target: str
+) -> None:
+    execution = make_execution(f"{action}-1", state)
+
+    without = operator(username="viewer")
+    act(without, action, [execution], reason="should not happen")
+    execution.refresh_from_db()
+    assert execution.state == state and not operator_events(execution)
+
+    client = operator(codename)
+    confirm = act(client, action, [execution])
+    assert confirm.status_code == 200 and b'name="reason"' in confirm.content and b"will change" in confirm.content
+
+    no_reason = act(client, action, [execution], reason="  ")
+    assert b"A reason is required" in no_reason.content
+    execution.refresh_from_db()
+    assert execution.state == state
+
+    done = act(client, action, [execution], reason="customer called, ticket 42")
+    assert done.status_code == 200 and b"1 execution(s) changed" in done.content
+    execution.refresh_from_db()
+    assert execution.state == target
+    (event,) = operator_events(execution)
+    assert (event.actor, event.reason, event.from_state, event.to_state) == (
+        "op",
+        "customer called, ticket 42",
+        state,
+        target,
+    )
+
+    # The same confirmation submitted again (a double click, a browser resubmit) acts once.
+    again = act(client, action, [execution], reason="customer called, ticket 42", **{f"expected_{execution.pk}": state})
+    assert b"not changed" in again.content
+    assert len(operator_events(execution)) == 1
+
+
+def test_an_illegal_request_is_refused_with_a_message_and_changes_nothing() -> None:
+    running = make_execution("running-1", State.RUNNING)
+    client = operator("retry_execution")
+    confirm = act(client, "retry_now", [running])
+    assert b"refused" in confirm.content and b"nothing will change" in confirm.content
+    forced = act(client, "retry_now", [running], reason="try anyway")
+    assert b"not a legal transition" in forced.content
+    running.refresh_from_db()
+    assert running.state == State.RUNNING and not operator_events(running)
+
+
+def test_requeue_dead_letters_leaves_other_selected_rows_alone() -> None:
+    dead, done = make_execution("dead-1", State.FAILED), make_execution("done-1", State.SUCCEEDED)
+    client = operator("retry_execution")
+    confirm = act(client, "requeue_dead_letters", [dead, done])
+    assert b"not a dead letter" in confirm.content
+    act(client, "requeue_dead_letters", [dead], reason="fixed the gateway config")
+    dead.refresh_from_db()
+    done.refresh_from_db()
+    assert (dead.state, done.state) == (State.PENDING, State.SUCCEEDED)
+
+
+def test_csrf_is_enforced_on_actions() -> None:
+    execution = make_execution("csrf-1", State.FAILED)
+    User.objects.create_superuser("root", password="pw")
+    browser = Client(enforce_csrf_checks=True)
+    browser.login(username="root", password="pw")
+    response = browser.post(
+        CHANGELIST,
+        {"action": "retry_now", "_selected_action": [execution.pk], "confirm": "yes", "reason": "x",
+         f"expected_{execution.pk}": "FAILED"},
+    )  # fmt: skip
+    assert response.status_code == 403
+    execution.refresh_from_db()
+    assert execution.state == State.FAILED
+
+
+def test_the_detail_page_shows_the_timeline_and_the_traceback() -> None:
+    execution = make_execution("detail-1", State.FAILED)
+    client = operator()
+    page = client.get(f"{CHANGELIST}{execution.pk}/change/")
+    assert page.status_code == 200
+    for fragment in (b"tp-timeline", b"claimed", b"dead_lettered", b"Traceback: boom", b"tp-badge"):
+        assert fragment in page.content
+    listing = client.get(CHANGELIST + "?dead_letter=yes")
+    assert b"detail-1" in listing.content
+
+
+# --- jobs ----------------------------------------------------------------------------------------
+
+JOBS = "/admin/taskplatform/jobdefinition/"
+
+
+def test_pause_resume_are_permissioned_and_audited() -> None:
+    job = JobDefinition.objects.create(slug="nightly", task="testapp.effect")
+    operator(username="viewer").post(JOBS, {"action": "pause", "_selected_action": [job.pk]})
+    job.refresh_from_db()
+    assert job.enabled
+    client = operator("pause_jobdefinition")
+    client.post(JOBS, {"action": "pause", "_selected_action": [job.pk]})
+    job.refresh_from_db()
+    assert not job.enabled
+    client.post(JOBS, {"action": "resume", "_selected_action": [job.pk]})
+    job.refresh_from_db()
+    assert job.enabled
+    assert list(OperatorAction.objects.order_by("id").values_list("action", "target", "user")) == [
+        ("pause_job", "job:nightly", "op"),
+        ("resume_job", "job:nightly", "op"),
+    ]
+
+
+def test_run_now_twice_with_the_same_form_runs_once() -> None:
+    job = JobDefinition.objects.create(slug="adhoc", task="testapp.effect")
+    client = operator("run_jobdefinition")
+    confirm = client.post(JOBS, {"action": "run_now", "_selected_action": [job.pk]})
+    assert confirm.status_code == 200
+    token = confirm.context["token"]
+    form = {"action": "run_now", "_selected_action": [job.pk], "confirm": "yes", "token": token, "reason": "backfill"}
+    client.post(JOBS, form)
+    client.post(JOBS, form)
+    executions = Execution.objects.filter(job=job)
+    assert executions.count() == 1
+    assert executions.get().trigger == "admin" and executions.get().idempotency_key == f"adhoc@admin:{token}"
+    assert OperatorAction.objects.filter(action="run_job_now").count() == 1
+
+
+# --- locks ---------------------------------------------------------------------------------------
+
+LOCKS = "/admin/taskplatform/locklease/"
+
+
+def test_the_locks_page_and_an_audited_force_release() -> None:
+    backend = get_lock_backend()
+    lease = backend.acquire("stuck-lock", 600, identity="gone-host:1")
+    assert lease is not None
+    viewer = operator("view_locklease", username="viewer")
+    page = viewer.get(LOCKS)
+    assert page.status_code == 200 and b"stuck-lock" in page.content and b"gone-host:1" in page.content
+    assert b"Force-release" not in page.content
+    release = "/admin/taskplatform/locklease/force-release/"
+    assert (
+        viewer.post(release, {"alias": "default", "name": "stuck-lock", "confirm": "yes", "reason": "x"}).status_code
+        == 403
+    )
+
+    admin = operator("view_locklease", "force_release_locklease")
+    assert b"Force-release" in admin.get(LOCKS).content
+    admin.post(release, {"alias": "default", "name": "stuck-lock", "confirm": "yes", "reason": ""})
+    assert backend.inspect("stuck-lock").owner == lease.owner  # type: ignore[union-attr]
+    admin.post(release, {"alias": "default", "name": "stuck-lock", "confirm": "yes", "reason": "host decommissioned"})
+    assert backend.inspect("stuck-lock").owner is None  # type: ignore[union-attr]
+    (audit,) = OperatorAction.objects.filter(action="force_release_lock")
+    assert (audit.user, audit.target, audit.reason) == ("op", "lock:default:stuck-lock", "host decommissioned")
+    assert audit.data["holder"] == lease.owner and audit.data["fencing_token"] == lease.token
