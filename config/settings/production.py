@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .base import *  # noqa: F403
-from .base import LOGGING, env_bool
+from .base import LOGGING, MIDDLEWARE, env_bool
 
 SECRET_KEY = os.environ["DJANGO_SECRET_KEY"]
 TASKPLATFORM_LOG_FORMAT = os.environ.get("TASKPLATFORM_LOG_FORMAT", "json")
@@ -20,6 +20,8 @@ X_FRAME_OPTIONS = "DENY"
 if env_bool("DJANGO_BEHIND_TLS_PROXY", False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+# The admin's static files, collected into the image (docker/Dockerfile), served by WhiteNoise.
+MIDDLEWARE = [MIDDLEWARE[0], "whitenoise.middleware.WhiteNoiseMiddleware", *MIDDLEWARE[1:]]
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},

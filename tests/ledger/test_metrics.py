@@ -72,6 +72,8 @@ def test_states_events_and_dead_letters_are_counted(scrape: Any) -> None:
     assert m[("taskplatform_executions", (("job", ""), ("state", "FAILED")))] == 1
     assert m[("taskplatform_executions", (("job", ""), ("state", "PENDING")))] == 1
     assert m[("taskplatform_dead_letters", ())] == 1
+    assert m[("taskplatform_leases", (("status", "live"),))] == 0
+    assert m[("taskplatform_leases", (("status", "expired"),))] == 0
     assert m[("taskplatform_events_window", (("kind", "claimed"),))] == 2
     assert m[("taskplatform_events_window", (("kind", "dead_lettered"),))] == 1
     assert m[("taskplatform_events_window", (("kind", "already_finished"),))] == 1

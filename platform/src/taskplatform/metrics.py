@@ -81,11 +81,16 @@ class LedgerCollector:
         yield GaugeMetricFamily(
             "taskplatform_dead_letters", "Executions in FAILED.", value=counts.get(State.FAILED.value, 0)
         )
-        yield GaugeMetricFamily(
-            "taskplatform_expired_leases",
-            "RUNNING executions whose lease ran out.",
-            value=Execution.objects.filter(state=State.RUNNING, lease_expires_at__lt=now).count(),
+        expired = Execution.objects.filter(state=State.RUNNING, lease_expires_at__lt=now).count()
+        yield GaugeMetricFamily("taskplatform_expired_leases", "RUNNING executions whose lease ran out.", value=expired)
+        leases = GaugeMetricFamily(
+            "taskplatform_leases",
+            "Leases of RUNNING executions: live (renewed in time by their worker's heartbeat) or expired.",
+            labels=["status"],
         )
+        leases.add_metric(["live"], counts.get(State.RUNNING.value, 0) - expired)
+        leases.add_metric(["expired"], expired)
+        yield leases
         yield GaugeMetricFamily(
             "taskplatform_overdue_unclaimed",
             "PENDING/RETRYING executions past due_at.",
