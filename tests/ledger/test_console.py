@@ -225,3 +225,75 @@ def test_the_locks_page_and_an_audited_force_release() -> None:
     (audit,) = OperatorAction.objects.filter(action="force_release_lock")
     assert (audit.user, audit.target, audit.reason) == ("op", "lock:default:stuck-lock", "host decommissioned")
     assert audit.data["holder"] == lease.owner and audit.data["fencing_token"] == lease.token
+
+
+# --- the job form ------------------------------------------------------------------------------
+
+
+def job_form(**overrides: Any) -> dict[str, Any]:
+    form = {
+        "slug": "reconcile", "description": "", "task": "testapp.effect", "args": "[]", "kwargs": "{}",
+        "enabled": "on", "schedule_kind": "cron", "cron": "30 2 * * *", "timezone": "Europe/Berlin",
+        "every_seconds": "", "start_0": "", "start_1": "", "run_at_0": "", "run_at_1": "",
+        "misfire_policy": "run_once", "catch_up_window_seconds": "", "max_attempts": "", "backoff_base_seconds": "",
+        "backoff_max_seconds": "", "jitter": "unknown", "retry_on": "[]", "fatal_errors": "[]", "queue": "",
+        "priority": "", "soft_time_limit_seconds": "", "time_limit_seconds": "", "lease_seconds": "",
+    }  # fmt: skip
+    form.update(overrides)
+    return form
+
+
+def test_one_page_creates_a_job_with_its_cron_schedule_in_a_time_zone() -> None:
+    client = operator("add_jobdefinition", "change_jobdefinition")
+    page = client.get(JOBS + "add/")
+    assert page.status_code == 200 and b"tp-schedule-preview" in page.content
+    assert b'<option value="testapp.effect">' in page.content and b'<option value="Europe/Berlin">' in page.content
+    response = client.post(JOBS + "add/", job_form(kwargs='{"seconds": 0}'))
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    job = JobDefinition.objects.select_related("periodic_task__crontab").get(slug="reconcile")
+    assert job.kwargs == {"seconds": 0}
+    crontab = job.periodic_task.crontab  # type: ignore[union-attr]
+    assert (crontab.minute, crontab.hour, str(crontab.timezone)) == ("30", "2", "Europe/Berlin")
+
+    preview = client.get(
+        JOBS + "preview/", {"schedule_kind": "cron", "cron": "30 2 * * *", "timezone": "Europe/Berlin"}
+    ).json()
+    assert preview["ok"] and preview["description"].startswith("At 02:30")
+    assert len(preview["next"]) == 5 and all("02:30:00 CE" in t for t in preview["next"])
+    bad = client.get(JOBS + "preview/", {"schedule_kind": "cron", "cron": "61 * * * *", "timezone": "UTC"}).json()
+    assert not bad["ok"] and "invalid crontab" in bad["error"]
+
+    # Editing the schedule away removes it from django-celery-beat's tables.
+    edit = client.post(f"{JOBS}{job.pk}/change/", job_form(schedule_kind="none", cron=""))
+    assert edit.status_code == 302
+    job.refresh_from_db()
+    assert job.periodic_task is None
+    from django_celery_beat.models import PeriodicTask
+
+    assert not PeriodicTask.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "fragment"),
+    [
+        ({"cron": "61 * * * *"}, "cron", "invalid crontab"),
+        ({"cron": "* * * *"}, "cron", "5 fields"),
+        ({"timezone": "Mars/Olympus"}, "timezone", "Select a valid choice"),
+        ({"task": "no.such.task"}, "task", "Select a valid choice"),
+        ({"args": "[1, 2"}, "args", "Enter a valid JSON"),
+        ({"args": '{"a": 1}'}, "args", "must be a JSON list"),
+        ({"kwargs": '{"blob": "' + "x" * 70_000 + '"}'}, "args", "bytes"),
+        ({"max_attempts": "-1"}, "max_attempts", "greater than or equal to"),
+        ({"max_attempts": "1000"}, "max_attempts", "less than or equal to 100"),
+        ({"time_limit_seconds": "9999999"}, "time_limit_seconds", "above a week"),
+        ({"schedule_kind": "once", "run_at_0": "2001-01-01", "run_at_1": "00:00:00"}, "run_at", "in the past"),
+        ({"schedule_kind": "interval", "every_seconds": "0"}, "every_seconds", "greater than or equal to 1"),
+    ],
+)
+def test_bad_job_input_never_saves_and_says_what_is_wrong(overrides: dict[str, str], field: str, fragment: str) -> None:
+    client = operator("add_jobdefinition")
+    response = client.post(JOBS + "add/", job_form(**overrides))
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors
+    assert field in errors and fragment in " ".join(errors[field]), errors
+    assert not JobDefinition.objects.exists()

@@ -24,6 +24,8 @@ from django.utils.html import format_html, format_html_join
 
 from . import console
 from .exceptions import TaskPlatformError
+from .forms import JobDefinitionForm
+from .forms import preview as schedule_preview
 from .models import Execution, ExecutionEvent, JobDefinition, LockLease, OperatorAction
 from .states import Actor as _Actor
 from .states import State, find_transition
@@ -287,6 +289,26 @@ class ExecutionAdmin(admin.ModelAdmin):
 
 @admin.register(JobDefinition)
 class JobDefinitionAdmin(admin.ModelAdmin):
+    form = JobDefinitionForm
+    change_form_template = "admin/taskplatform/jobdefinition/change_form.html"
+    fieldsets = (
+        (None, {"fields": ("slug", "description", "task", "args", "kwargs", "enabled")}),
+        (
+            "Schedule",
+            {
+                "fields": ("schedule_kind", "cron", "timezone", "every_seconds", "start", "run_at", "misfire_policy",
+                           "catch_up_window_seconds"),
+                "description": "The preview below shows the next runs in the schedule's own time zone.",
+            },
+        ),
+        (
+            "Retry policy (empty: the task's own Celery options)",
+            {"fields": ("max_attempts", "backoff_base_seconds", "backoff_max_seconds", "jitter", "retry_on",
+                        "fatal_errors")},
+        ),
+        ("Execution", {"fields": ("queue", "priority", "soft_time_limit_seconds", "time_limit_seconds",
+                                  "lease_seconds")}),
+    )  # fmt: skip
     list_display = ("slug", "task", "schedule", "misfire_policy", "queue", "max_attempts", "enabled", "updated_at")
     list_filter = ("enabled", "queue", "misfire_policy")
     search_fields = ("slug", "task", "description")
@@ -306,6 +328,52 @@ class JobDefinitionAdmin(admin.ModelAdmin):
         if task.clocked is not None:
             return f"once at {task.clocked.clocked_time:%Y-%m-%d %H:%M %Z}"
         return "—"
+
+    def save_model(self, request: HttpRequest, obj: JobDefinition, form: Any, change: bool) -> None:
+        """Save the job and its schedule together (django-celery-beat's tables hold the schedule)."""
+        from django.db import transaction
+
+        from .api import schedule_job
+
+        with transaction.atomic():
+            super().save_model(request, obj, form, change)
+            arguments = form.schedule_arguments()
+            if arguments is not None:
+                schedule_job(obj, **arguments)
+            elif obj.periodic_task_id is not None:
+                periodic = obj.periodic_task
+                obj.periodic_task = None
+                obj.save(update_fields=["periodic_task", "updated_at"])
+                if periodic is not None:
+                    periodic.delete()
+
+    def get_urls(self) -> list[Any]:
+        preview = self.admin_site.admin_view(self.preview_view)
+        return [path("preview/", preview, name="taskplatform_jobdefinition_preview"), *super().get_urls()]
+
+    def preview_view(self, request: HttpRequest) -> HttpResponse:
+        """The schedule preview (description, next 5 runs) for the form's current values, as JSON."""
+        from django.http import JsonResponse
+
+        if not self.has_view_or_change_permission(request):
+            raise PermissionDenied
+        from django import forms
+
+        data: dict[str, Any] = {"timezone": request.GET.get("timezone") or "UTC", "cron": request.GET.get("cron", "")}
+        parsers = {
+            "every_seconds": forms.IntegerField(required=False, min_value=1),
+            "start": forms.DateTimeField(required=False),
+            "run_at": forms.DateTimeField(required=False),
+        }
+        for name, field in parsers.items():
+            try:
+                data[name] = field.clean(request.GET.get(name) or None)
+            except Exception as exc:
+                return JsonResponse({"ok": False, "error": f"{name}: {' '.join(getattr(exc, 'messages', [str(exc)]))}"})
+        try:
+            return JsonResponse({"ok": True, **schedule_preview(request.GET.get("schedule_kind", "none"), data)})
+        except (TaskPlatformError, ValueError, KeyError) as exc:
+            return JsonResponse({"ok": False, "error": str(exc)})
 
     def has_pause_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("taskplatform.pause_jobdefinition"))

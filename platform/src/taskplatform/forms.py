@@ -1,0 +1,216 @@
+"""The job form of the operator console: a job and its schedule on one page, validated whole.
+
+Bad input never saves: an unknown task, invalid or oversized JSON, a malformed cron
+expression, an unknown time zone, a one-off time in the past, negative or absurd limits —
+each is a field error that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import zoneinfo
+from datetime import UTC, datetime
+from functools import cache
+from typing import Any
+
+from django import forms
+from django.contrib.admin.widgets import AdminSplitDateTime
+from django.core.exceptions import ValidationError
+from django.utils import timezone
+
+from .exceptions import ConfigurationError
+from .models import JobDefinition
+from .slots import Clocked, Crontab, Interval, Schedule
+
+SCHEDULE_KINDS = [
+    ("none", "No schedule (run on demand only)"),
+    ("cron", "Cron expression in a time zone"),
+    ("interval", "Every N seconds"),
+    ("once", "Once, at a given time"),
+]
+#: Upper bound of the time limits an operator may set (a week).
+MAX_TIME_LIMIT_SECONDS = 7 * 86_400
+
+
+@cache
+def timezone_choices() -> list[tuple[str, str]]:
+    return [(name, name) for name in sorted(zoneinfo.available_timezones()) if "/" in name or name == "UTC"]
+
+
+def task_choices() -> list[tuple[str, str]]:
+    """Every registered ``IdempotentTask`` (the ones the ledger can run), by name."""
+    from celery import current_app
+
+    from .tasks import IdempotentTask
+
+    current_app.loader.import_default_modules()
+    names = sorted(name for name, task in current_app.tasks.items() if isinstance(task, IdempotentTask) and "." in name)
+    return [(n, n) for n in names]
+
+
+class PrettyJSONField(forms.JSONField):
+    """A JSON field shown indented, so operators can read and edit it."""
+
+    def prepare_value(self, value: Any) -> Any:
+        if isinstance(value, str) and not isinstance(value, forms.fields.InvalidJSONInput):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return value
+        if isinstance(value, forms.fields.InvalidJSONInput):
+            return value
+        return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def schedule_from(kind: str, data: dict[str, Any]) -> Schedule | None:
+    """The slots.Schedule a form's schedule fields describe (raises ConfigurationError)."""
+    if kind == "cron":
+        parts = (data.get("cron") or "").split()
+        if len(parts) != 5:
+            raise ConfigurationError(
+                f"a cron expression has 5 fields (minute hour day-of-month month day-of-week), not {len(parts)}"
+            )
+        minute, hour, day_of_month, month_of_year, day_of_week = parts
+        return Crontab(minute, hour, day_of_month, month_of_year, day_of_week, timezone=data.get("timezone") or "UTC")
+    if kind == "interval":
+        every = data.get("every_seconds")
+        if not every:
+            raise ConfigurationError("give the interval in seconds")
+        return Interval(float(every), anchor=data.get("start") or datetime(1970, 1, 1, tzinfo=UTC))
+    if kind == "once":
+        at = data.get("run_at")
+        if at is None:
+            raise ConfigurationError("give the time to run at")
+        return Clocked(at)
+    return None
+
+
+def preview(kind: str, data: dict[str, Any], count: int = 5) -> dict[str, Any]:
+    """A human-readable description and the next ``count`` runs in the schedule's own zone."""
+    schedule = schedule_from(kind, data)
+    if schedule is None:
+        return {"description": "No schedule: the job runs only when submitted or run from the console.", "next": []}
+    zone = zoneinfo.ZoneInfo(data.get("timezone") or "UTC") if kind == "cron" else UTC
+    description = ""
+    if kind == "cron":
+        from cron_descriptor import get_description
+
+        try:
+            description = f"{get_description(data['cron'])} ({data.get('timezone') or 'UTC'})"
+        except Exception:  # the describer is stricter than Celery on some forms; the slots are what count
+            description = f"cron {data['cron']} ({data.get('timezone') or 'UTC'})"
+    elif kind == "interval":
+        description = f"Every {data['every_seconds']} seconds"
+    else:
+        description = "Once"
+    upcoming: list[str] = []
+    moment = timezone.now()
+    for _ in range(count):
+        slot = schedule.next_after(moment)
+        if slot is None:
+            break
+        upcoming.append(slot.astimezone(zone).strftime("%a %Y-%m-%d %H:%M:%S %Z"))
+        moment = slot
+    return {"description": description, "next": upcoming}
+
+
+class JobDefinitionForm(forms.ModelForm):
+    task = forms.ChoiceField(choices=task_choices, help_text="A registered IdempotentTask.")
+    args = PrettyJSONField(required=False, initial=list, help_text="Positional arguments, a JSON list.")
+    kwargs = PrettyJSONField(required=False, initial=dict, help_text="Keyword arguments, a JSON object.")
+    schedule_kind = forms.ChoiceField(choices=SCHEDULE_KINDS, initial="none", label="Schedule")
+    cron = forms.CharField(
+        required=False, help_text="minute hour day-of-month month day-of-week, e.g. 30 2 * * * (Celery's syntax)."
+    )
+    timezone = forms.ChoiceField(choices=timezone_choices, initial="UTC", required=False, help_text="IANA time zone.")
+    every_seconds = forms.IntegerField(required=False, min_value=1, max_value=31 * 86_400, label="Every (seconds)")
+    start = forms.SplitDateTimeField(
+        required=False, widget=AdminSplitDateTime, help_text="Interval anchor (UTC); empty: the Unix epoch."
+    )
+    run_at = forms.SplitDateTimeField(
+        required=False, widget=AdminSplitDateTime, label="Run at", help_text="One-off time (UTC)."
+    )
+
+    class Meta:
+        model = JobDefinition
+        fields = (
+            "slug", "description", "task", "args", "kwargs", "enabled", "misfire_policy", "catch_up_window_seconds",
+            "max_attempts", "backoff_base_seconds", "backoff_max_seconds", "jitter", "retry_on", "fatal_errors",
+            "queue", "priority", "soft_time_limit_seconds", "time_limit_seconds", "lease_seconds",
+        )  # fmt: skip
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        task = self.instance.periodic_task if self.instance.pk else None
+        if task is not None and not self.is_bound:
+            if task.crontab is not None:
+                c = task.crontab
+                self.initial.update(
+                    schedule_kind="cron",
+                    cron=f"{c.minute} {c.hour} {c.day_of_month} {c.month_of_year} {c.day_of_week}",
+                    timezone=str(c.timezone),
+                )
+            elif task.interval is not None:
+                seconds = {"days": 86_400, "hours": 3600, "minutes": 60, "seconds": 1}.get(task.interval.period, 1)
+                self.initial.update(
+                    schedule_kind="interval", every_seconds=task.interval.every * seconds, start=task.start_time
+                )
+            elif task.clocked is not None:
+                self.initial.update(schedule_kind="once", run_at=task.clocked.clocked_time)
+        for name in ("soft_time_limit_seconds", "time_limit_seconds"):
+            if name in self.fields:
+                self.fields[name].validators.append(
+                    _max(MAX_TIME_LIMIT_SECONDS, "time limits above a week are refused (7 days = 604800 s)")
+                )
+
+    def clean_args(self) -> Any:
+        value = self.cleaned_data.get("args")
+        if value in (None, ""):
+            return []
+        if not isinstance(value, list):
+            raise ValidationError(f"positional arguments must be a JSON list, not {type(value).__name__}")
+        return value
+
+    def clean_kwargs(self) -> Any:
+        value = self.cleaned_data.get("kwargs")
+        if value in (None, ""):
+            return {}
+        if not isinstance(value, dict):
+            raise ValidationError(f"keyword arguments must be a JSON object, not {type(value).__name__}")
+        return value
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        kind = data.get("schedule_kind") or "none"
+        field = {"cron": "cron", "interval": "every_seconds", "once": "run_at"}.get(kind)
+        try:
+            schedule = schedule_from(kind, data)
+        except ConfigurationError as exc:
+            message = str(exc)
+            self.add_error("timezone" if "time zone" in message else field, message)
+            return data
+        if kind == "once" and schedule is not None and schedule.next_after(timezone.now()) is None:
+            self.add_error("run_at", "this time is in the past; a one-off schedule would never run")
+        if kind == "cron" and schedule is not None and schedule.next_after(timezone.now()) is None:
+            self.add_error("cron", "this expression never matches a future date")
+        return data
+
+    def schedule_arguments(self) -> dict[str, Any] | None:
+        """``schedule_job`` keyword arguments for the cleaned schedule, or None for no schedule."""
+        data = self.cleaned_data
+        kind = data.get("schedule_kind") or "none"
+        if kind == "cron":
+            return {"cron": " ".join(data["cron"].split()), "timezone_name": data.get("timezone") or "UTC"}
+        if kind == "interval":
+            return {"every_seconds": data["every_seconds"], "start": data.get("start")}
+        if kind == "once":
+            return {"at": data["run_at"]}
+        return None
+
+
+def _max(limit: int, message: str) -> Any:
+    def check(value: Any) -> None:
+        if value is not None and value > limit:
+            raise ValidationError(message)
+
+    return check
