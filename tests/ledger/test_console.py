@@ -297,3 +297,27 @@ def test_bad_job_input_never_saves_and_says_what_is_wrong(overrides: dict[str, s
     errors = response.context["adminform"].form.errors
     assert field in errors and fragment in " ".join(errors[field]), errors
     assert not JobDefinition.objects.exists()
+
+
+def test_the_landing_page_shows_counts_and_an_offline_chart_of_the_last_24_hours() -> None:
+    make_execution("ok-1", State.SUCCEEDED)
+    make_execution("ok-2", State.SUCCEEDED)
+    make_execution("dead-x", State.FAILED)
+    make_execution("waiting", State.PENDING)
+    client = operator()
+    page = client.get("/admin/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert 'id="tp-overview"' in html and '<svg xmlns="http://www.w3.org/2000/svg" id="tp-chart"' in html
+    assert "<b>2</b> succeeded" in html and "<b>1</b> failed" in html and "<b>1</b> pending" in html
+    assert "<b>1</b> dead letter" in html
+    assert (
+        "http://" not in html.replace("http://www.w3.org/2000/svg", "").split('id="tp-overview"')[1].split("</svg>")[0]
+    )
+    overview = page.context["overview"]
+    assert sum(overview.series["succeeded"]) == 2 and sum(overview.series["failed"]) == 1
+    # Without the view permission on executions, no overview.
+    User.objects.create_user("nobody", password="pw", is_staff=True)
+    other = Client()
+    other.login(username="nobody", password="pw")
+    assert 'id="tp-overview"' not in other.get("/admin/").content.decode()

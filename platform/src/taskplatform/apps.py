@@ -11,5 +11,10 @@ class TaskPlatformConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        """Register the system checks that validate configuration at start-up."""
+        """Register the system checks; put the console's overview on the admin's landing page."""
+        from django.contrib import admin
+
         from . import checks  # noqa: F401
+
+        if admin.site.index_template is None:
+            admin.site.index_template = "admin/taskplatform/index.html"
