@@ -26,7 +26,7 @@ from . import console
 from .exceptions import TaskPlatformError
 from .forms import JobDefinitionForm
 from .forms import preview as schedule_preview
-from .models import Execution, ExecutionEvent, JobDefinition, LockLease, OperatorAction
+from .models import Execution, JobDefinition, LockLease, OperatorAction
 from .states import Actor as _Actor
 from .states import State, find_transition
 
@@ -90,20 +90,6 @@ class StuckFilter(admin.SimpleListFilter):
         )
 
 
-class ExecutionEventInline(admin.TabularInline):
-    model = ExecutionEvent
-    extra = 0
-    can_delete = False
-    fields = ("at", "kind", "from_state", "to_state", "attempt", "fencing_token", "actor", "reason", "data")
-    readonly_fields = fields
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
 @admin.register(Execution)
 class ExecutionAdmin(admin.ModelAdmin):
     list_display = (
@@ -114,11 +100,9 @@ class ExecutionAdmin(admin.ModelAdmin):
     search_fields = ("idempotency_key", "celery_task_id", "job__slug", "task_name")
     date_hierarchy = "created_at"
     list_select_related = ("job",)
-    inlines = [ExecutionEventInline]
     actions = ["retry_now", "requeue_dead_letters", "cancel", "mark_failed", "mark_succeeded"]
     fieldsets = (
         (None, {"fields": ("state_badge", "task_name", "job", "idempotency_key", "trigger", "attempts")}),
-        ("Timeline", {"fields": ("timeline",)}),
         ("Input and output", {"fields": ("arguments", "result_pretty", "last_error", "traceback")}),
         (
             "Delivery",
@@ -131,6 +115,16 @@ class ExecutionAdmin(admin.ModelAdmin):
             },
         ),
     )  # fmt: skip
+
+    change_form_template = "admin/taskplatform/execution/change_form.html"
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The event timeline gets the page's full width, below the fields."""
+        execution = self.get_object(request, object_id)
+        extra = {**(extra_context or {}), "tp_timeline": self.timeline(execution) if execution else ""}
+        return super().change_view(request, object_id, form_url, extra_context=extra)
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Execution) -> str:
@@ -172,6 +166,8 @@ class ExecutionAdmin(admin.ModelAdmin):
             "", "<tr><td>{}</td><td><b>{}</b></td><td>{}</td><td>#{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", rows
         )
         return format_html(
+            "<style>.tp-timeline{{width:100%}}.tp-timeline td{{vertical-align:top;white-space:nowrap}}"
+            ".tp-timeline td:last-child{{white-space:normal;overflow-wrap:anywhere}}</style>"
             "<table class='tp-timeline'><thead><tr><th>at</th><th>event</th><th>transition</th><th>attempt</th>"
             "<th>token</th><th>by</th><th>detail</th></tr></thead><tbody>{}</tbody></table>",
             body,
@@ -502,9 +498,12 @@ class LockAdmin(admin.ModelAdmin):
             "opts": self.model._meta,
             "backends": backends,
             "fence": SchedulerFence.objects.filter(name=conf.beat_lock_name).first(),
-            "beats": BeatProcess.objects.filter(
-                lock_name=conf.beat_lock_name, last_seen_at__gte=now - timedelta(hours=1)
-            ),
+            "beats": [
+                {**vars(b), "seen_seconds": round((now - b.last_seen_at).total_seconds(), 1)}
+                for b in BeatProcess.objects.filter(
+                    lock_name=conf.beat_lock_name, last_seen_at__gte=now - timedelta(hours=1)
+                )
+            ],
             "beat_lock": conf.beat_lock_name,
             "can_release": request.user.has_perm("taskplatform.force_release_locklease"),
             "now": now,

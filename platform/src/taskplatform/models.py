@@ -286,6 +286,8 @@ class LockLease(models.Model):
     class Meta:
         ordering = ["name"]
         permissions = [("force_release_locklease", "Can force-release locks")]
+        verbose_name = "lock"
+        verbose_name_plural = "locks and beat leadership"
 
     def __str__(self) -> str:
         return f"{self.name} ({self.owner or 'free'})"

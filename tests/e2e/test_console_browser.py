@@ -1,0 +1,83 @@
+"""The operator console end to end, in a real browser against a live server, a real worker
+and a real beat: log in, create a cron job in a time zone and see its preview, watch it run,
+retry a dead letter with a reason and find the audit event, look at the locks page."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+
+from taskplatform import submit
+from taskplatform.models import Execution, JobDefinition
+from tests.helpers import state_of, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_an_operator_creates_a_cron_job_watches_it_run_and_retries_a_dead_letter(
+    live_server: Any, page: Any, screenshot: Any, workers: Any, beats: Any
+) -> None:
+    User.objects.create_superuser("ops", "ops@example.invalid", "a-long-test-password")
+    workers.start(concurrency=2)
+    beats.start(env={"TASKPLATFORM_BEAT_SYNC_SECONDS": "1"})
+    dead = submit("testapp.fatal")
+    wait_for(lambda: state_of(dead.pk) == "FAILED", timeout=60, what="a dead letter to retry later")
+    base = live_server.url
+
+    # Log in.
+    page.goto(f"{base}/admin/login/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "a-long-test-password")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#tp-overview")
+
+    # Create a cron job in a time zone; the preview shows its next runs in that zone.
+    page.goto(f"{base}/admin/taskplatform/jobdefinition/add/")
+    page.fill("#id_slug", "every-minute-ny")
+    page.select_option("#id_task", "testapp.effect")
+    page.select_option("#id_schedule_kind", "cron")
+    page.fill("#id_cron", "* * * * *")
+    page.select_option("#id_timezone", "America/New_York")
+    page.wait_for_function("document.querySelectorAll('#tp-next-runs li').length === 5")
+    runs = page.locator("#tp-next-runs li").all_inner_texts()
+    assert all(" E" in run and run.endswith(("EST", "EDT")) for run in runs), runs
+    assert "Every minute" in page.inner_text("#tp-schedule-preview")
+    screenshot(page, "job-form")
+    page.click("input[name=_save]")
+    page.wait_for_selector("ul.messagelist li.success")
+    job = JobDefinition.objects.get(slug="every-minute-ny")
+
+    # Watch it run in the executions list (the beat publishes it at the next minute).
+    wait_for(
+        lambda: Execution.objects.filter(job=job, state="SUCCEEDED").exists(), timeout=90, what="the job's first run"
+    )
+    page.goto(f"{base}/admin/taskplatform/execution/?job__id__exact={job.pk}")
+    row = page.locator("#result_list tbody tr").first
+    assert "SUCCEEDED" in row.inner_text() and "every-minute-ny@" in row.inner_text()
+
+    # Retry the dead letter, with a reason, through the confirmation page.
+    page.goto(f"{base}/admin/taskplatform/execution/?dead_letter=yes")
+    page.check(f"input[name=_selected_action][value='{dead.pk}']")
+    page.select_option("select[name=action]", "retry_now")
+    page.click("button[name=index]")
+    page.wait_for_selector("#id_reason")
+    assert "will change" in page.inner_text("#tp-confirm")
+    page.fill("#id_reason", "fixed the card data by hand, ticket OPS-7")
+    page.click("#content form input[type=submit].default")
+    page.wait_for_selector("ul.messagelist li.success")
+    assert "1 execution(s) changed" in page.inner_text("ul.messagelist")
+
+    # The audit event is on the execution's timeline.
+    page.goto(f"{base}/admin/taskplatform/execution/{dead.pk}/change/")
+    timeline = page.inner_text(".tp-timeline")
+    assert "operator" in timeline and "fixed the card data by hand, ticket OPS-7" in timeline and "ops" in timeline
+    screenshot(page, "execution-timeline")
+
+    # The locks page shows the beat leader.
+    page.goto(f"{base}/admin/taskplatform/locklease/")
+    page.wait_for_selector("#tp-beats")
+    assert "leader" in page.inner_text("#tp-beats")
+    assert "taskplatform.beat" in page.inner_text("#content")
+    screenshot(page, "locks")
