@@ -133,19 +133,71 @@ def test_requeue_dead_letters_leaves_other_selected_rows_alone() -> None:
     assert (dead.state, done.state) == (State.PENDING, State.SUCCEEDED)
 
 
-def test_csrf_is_enforced_on_actions() -> None:
-    execution = make_execution("csrf-1", State.FAILED)
+@pytest.mark.parametrize(
+    ("url", "action", "state"),
+    [
+        (CHANGELIST, "retry_now", State.FAILED),
+        (CHANGELIST, "requeue_dead_letters", State.FAILED),
+        (CHANGELIST, "cancel", State.PENDING),
+        (CHANGELIST, "mark_failed", State.RUNNING),
+        (CHANGELIST, "mark_succeeded", State.FAILED),
+    ],
+)
+def test_csrf_is_enforced_on_every_execution_action(url: str, action: str, state: str) -> None:
+    execution = make_execution(f"csrf-{action}", state)
     User.objects.create_superuser("root", password="pw")
     browser = Client(enforce_csrf_checks=True)
     browser.login(username="root", password="pw")
     response = browser.post(
-        CHANGELIST,
-        {"action": "retry_now", "_selected_action": [execution.pk], "confirm": "yes", "reason": "x",
-         f"expected_{execution.pk}": "FAILED"},
+        url,
+        {"action": action, "_selected_action": [execution.pk], "confirm": "yes", "reason": "x",
+         f"expected_{execution.pk}": state},
     )  # fmt: skip
     assert response.status_code == 403
     execution.refresh_from_db()
-    assert execution.state == State.FAILED
+    assert execution.state == state and not operator_events(execution)
+
+
+def test_csrf_is_enforced_on_job_and_lock_actions() -> None:
+    job = JobDefinition.objects.create(slug="csrf-job", task="testapp.effect")
+    lease = get_lock_backend().acquire("csrf-lock", 600)
+    assert lease is not None
+    User.objects.create_superuser("root", password="pw")
+    browser = Client(enforce_csrf_checks=True)
+    browser.login(username="root", password="pw")
+    for action in ("pause", "run_now", "duplicate"):
+        form = {"action": action, "_selected_action": [job.pk], "confirm": "yes", "token": "t", "reason": "x"}
+        assert browser.post(JOBS, form).status_code == 403
+    release = {"alias": "default", "name": "csrf-lock", "confirm": "yes", "reason": "x"}
+    assert browser.post("/admin/taskplatform/locklease/force-release/", release).status_code == 403
+    job.refresh_from_db()
+    assert job.enabled and JobDefinition.objects.count() == 1 and not Execution.objects.exists()
+    assert get_lock_backend().inspect("csrf-lock").owner == lease.owner  # type: ignore[union-attr]
+    assert not OperatorAction.objects.exists()
+
+
+def test_duplicate_makes_a_paused_copy_without_schedule_and_audits_it() -> None:
+    from taskplatform import schedule_job
+
+    job = JobDefinition.objects.create(slug="sync", task="testapp.effect", kwargs={"seconds": 1}, max_attempts=4)
+    schedule_job(job, every_seconds=60)
+    client = operator("add_jobdefinition")
+    client.post(JOBS, {"action": "duplicate", "_selected_action": [job.pk]})
+    copy = JobDefinition.objects.get(slug="sync-copy")
+    assert (copy.kwargs, copy.max_attempts, copy.enabled, copy.periodic_task) == ({"seconds": 1}, 4, False, None)
+    assert OperatorAction.objects.get(action="duplicate_job").data == {"copy": "sync-copy"}
+
+
+def test_the_stuck_filter_finds_expired_leases_and_overdue_rows() -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    stuck = make_execution("stuck-1", State.RUNNING)
+    Execution.objects.filter(pk=stuck.pk).update(lease_expires_at=timezone.now() - timedelta(minutes=1))
+    make_execution("fine-1", State.RUNNING)
+    listing = operator().get(CHANGELIST + "?stuck=yes").content
+    assert b"stuck-1" in listing and b"fine-1" not in listing
 
 
 def test_the_detail_page_shows_the_timeline_and_the_traceback() -> None:

@@ -123,7 +123,7 @@ def duplicate_job(job: JobDefinition, *, user: str, new_slug: str) -> JobDefinit
         copy.enabled = False
         copy.periodic_task = None
         copy.save()
-        audit(user, "duplicate_job", f"job:{job.slug}", data={"copy": new_slug})
+        audit(user, "duplicate_job", f"job:{job.slug}", copy=new_slug)
     return copy
 
 
