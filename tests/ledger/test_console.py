@@ -211,6 +211,18 @@ def test_the_detail_page_shows_the_timeline_and_the_traceback() -> None:
     assert b"detail-1" in listing.content
 
 
+def test_the_timeline_shows_an_attempt_s_error_duration_and_the_next_due_time() -> None:
+    execution = make_execution("retrying-1", State.RUNNING)
+    ledger.schedule_retry(
+        execution, execution.fencing_token, delay_seconds=120, error="GatewayTimeout: 504", traceback="tb",
+        worker="w:1", reason="attempt 1 of 3 failed after 12.5 ms",
+    )  # fmt: skip
+    page = operator().get(f"{CHANGELIST}{execution.pk}/change/").content.decode()
+    timeline = page.split("tp-timeline-box")[1]
+    assert "retry_scheduled" in timeline and "GatewayTimeout: 504" in timeline
+    assert "attempt 1 of 3 failed after 12.5 ms" in timeline and "next attempt due 20" in timeline
+
+
 # --- jobs ----------------------------------------------------------------------------------------
 
 JOBS = "/admin/taskplatform/jobdefinition/"

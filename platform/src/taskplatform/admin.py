@@ -146,11 +146,14 @@ class ExecutionAdmin(admin.ModelAdmin):
     def timeline(self, obj: Execution) -> str:
         rows = []
         for e in obj.events.order_by("id"):
-            detail = e.reason or e.data.get("error") or ""
+            parts = [e.reason] if e.reason else []
             if "duration_ms" in e.data:
-                detail = f"{e.data['duration_ms']} ms {detail}".strip()
-            if "due_at" in e.data:
-                detail = f"next attempt due {e.data['due_at']} {detail}".strip()
+                parts.append(f"took {e.data['duration_ms']} ms")
+            if e.data.get("error"):
+                parts.append(str(e.data["error"]))
+            if e.data.get("due"):
+                parts.append(f"next attempt due {e.data['due']}")
+            detail = " · ".join(parts)
             rows.append(
                 (
                     e.at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
