@@ -9,6 +9,7 @@ effect rows (no slot *ran* twice).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -52,10 +53,28 @@ def assert_every_slot_once(slots: list[datetime], first: datetime, last: datetim
     assert window == expected, "a slot was published twice or off the grid"
 
 
-def broker_messages() -> int:
-    """Messages waiting on the test broker (nobody consumes them in these tests)."""
+def published_executions() -> list[int]:
+    """The execution id of every message waiting on the test broker (nobody consumes them here)."""
     client = redis.Redis.from_url(broker_url())
-    return sum(int(client.llen(k)) for k in client.scan_iter("celery*") if client.type(k) == b"list")
+    ids = []
+    for key in client.scan_iter("celery*"):
+        if client.type(key) == b"list":
+            ids += [int(json.loads(raw)["headers"]["tp_execution"]) for raw in client.lrange(key, 0, -1)]
+    return ids
+
+
+def assert_published_once(beats: BeatFactory, *, may_lose_one: bool = False) -> None:
+    """Stop the beats, then: no execution has two messages, and every execution has one.
+
+    ``may_lose_one``: a leader killed between its commit and its publication leaves one row
+    without a message; the rescuer publishes it later (G1), outside this test's time.
+    """
+    beats.stop_all()
+    ids = published_executions()
+    assert len(ids) == len(set(ids)), "an execution was published to the broker twice"
+    rows = set(Execution.objects.values_list("pk", flat=True))
+    assert set(ids) <= rows
+    assert len(rows - set(ids)) <= (1 if may_lose_one else 0), "an execution was never published"
 
 
 def leader_pid() -> int | None:
@@ -129,7 +148,7 @@ def test_sigkill_of_the_leader_fails_over_within_ten_seconds_with_no_slot_lost(
     wait_until(timezone.now() + 2 * SECOND, "slots after the failover")
     now = timezone.now().replace(microsecond=0) - SECOND
     assert_every_slot_once(slots_of(job), first, now)
-    assert broker_messages() == Execution.objects.count(), "a slot was published to the broker twice"
+    assert_published_once(beats, may_lose_one=True)
 
 
 def test_a_paused_leader_that_wakes_up_publishes_nothing(beats: BeatFactory, empty_broker: None) -> None:
@@ -153,7 +172,7 @@ def test_a_paused_leader_that_wakes_up_publishes_nothing(beats: BeatFactory, emp
     )
     wait_until(timezone.now() + 2 * SECOND, "slots after the wake-up")
     assert_every_slot_once(slots_of(job), first, timezone.now().replace(microsecond=0) - SECOND)
-    assert broker_messages() == Execution.objects.count(), "a slot was published to the broker twice"
+    assert_published_once(beats)
     assert not Execution.objects.filter(job=job).exclude(trigger="beat").exists()
 
 
@@ -184,7 +203,7 @@ def test_redis_lock_server_shutdown_leader_steps_down_and_service_resumes(
     # The outage (a few seconds, inside the misfire grace period) lost no slot: the new
     # leader published the owed ones from the cursor.
     assert_every_slot_once(slots_of(job), first, timezone.now().replace(microsecond=0) - SECOND)
-    assert broker_messages() == Execution.objects.count(), "a slot was published to the broker twice"
+    assert_published_once(beats)
     assert down_at < stepped_down
 
 
@@ -239,7 +258,7 @@ def test_database_lock_server_lost_leader_steps_down_and_service_resumes(
     wait_for(lambda: Execution.objects.filter(created_at__gt=back).exists(), timeout=30, what="service to resume")
     wait_until(timezone.now() + 2 * SECOND, "slots after recovery")
     assert_every_slot_once(slots_of(job), first, timezone.now().replace(microsecond=0) - SECOND)
-    assert broker_messages() == Execution.objects.count(), "a slot was published to the broker twice"
+    assert_published_once(beats)
 
 
 def test_misfire_policies_after_the_only_beat_was_down(beats: BeatFactory, empty_broker: None) -> None:
@@ -289,7 +308,7 @@ def test_misfire_policies_after_the_only_beat_was_down(beats: BeatFactory, empty
     assert all(s >= restarted - 7 * SECOND for s in catch_up), catch_up
     assert catch_up == [catch_up[0] + k * SECOND for k in range(len(catch_up))]
     assert len(catch_up) >= 6
-    assert broker_messages() == Execution.objects.count()
+    assert_published_once(beats)
 
 
 def test_a_misconfigured_beat_refuses_to_start_and_says_what_to_change(beats: BeatFactory) -> None:

@@ -296,3 +296,45 @@ def test_schedule_job_refuses_bad_input_and_saves_nothing() -> None:
     assert not PeriodicTask.objects.exists() and not CrontabSchedule.objects.exists()
     job.refresh_from_db()
     assert job.periodic_task is None
+
+
+def test_an_edit_does_not_drop_the_slot_due_at_the_next_sync(schedulers: Callable[[], LockedScheduler]) -> None:
+    """Edits apply from the previous sync on, so the slot due when the edit is seen still runs."""
+    job = every_second_job("edited-often")
+    leader = schedulers()
+    run_beat(leader, seconds=2.2)
+    for n in range(3):  # bulk updates, no signal; each one changes the entry's digest
+        JobDefinition.objects.filter(pk=job.pk).update(kwargs={"seconds": 0, "n": n})
+        run_beat(leader, seconds=1.1)
+    slots = sorted(Execution.objects.filter(job=job).values_list("scheduled_for", flat=True))
+    assert len(slots) >= 5
+    assert [(b - a).total_seconds() for a, b in itertools.pairwise(slots)] == [1.0] * (len(slots) - 1)
+
+
+def test_a_plain_trigger_row_for_a_job_with_its_own_schedule_is_ignored(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    every_second_job("twice")
+    interval = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(name="old-entry", task="taskplatform.trigger_job", args='["twice"]', interval=interval)
+    leader = schedulers()
+    run_beat(leader, seconds=2.2)
+    assert leader.table is not None and "already has its own schedule" in leader.table.broken["old-entry"]
+    assert keys("twice") and all(k.startswith("twice@20") for k in keys("twice"))
+    assert Execution.objects.count() == len(keys("twice"))
+
+
+def test_a_removed_schedule_loses_its_cursor_and_starts_afresh_when_it_returns(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    job = every_second_job("comes-back")
+    leader = schedulers()
+    run_beat(leader, seconds=1.5)
+    assert ScheduleCursor.objects.filter(name="job:comes-back").exists()
+    PeriodicTask.objects.filter(name="job:comes-back").delete()
+    run_beat(leader, seconds=2.2)  # a sync (every 1 s) noticed on a tick (every 0.5 s at most)
+    assert not ScheduleCursor.objects.filter(name="job:comes-back").exists()
+    published = Execution.objects.filter(job=job).count()
+    schedule_job(JobDefinition.objects.get(pk=job.pk), every_seconds=60)  # back, now every minute
+    run_beat(leader, seconds=1.2)
+    assert Execution.objects.filter(job=job).count() == published  # no replay of the gap

@@ -16,14 +16,14 @@ from tests.testapp.models import Effect, EffectRaw
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def cancel(execution: Execution, seen: str) -> None:
+def cancel(execution: Execution, seen: str, action: str = "cancel") -> None:
     if not User.objects.filter(username="root").exists():
         User.objects.create_superuser("root", password="pw")
     client = Client()
     client.login(username="root", password="pw")
     client.post(
         "/admin/taskplatform/execution/",
-        {"action": "cancel", "_selected_action": [execution.pk], "confirm": "yes", "reason": "wrong customer",
+        {"action": action, "_selected_action": [execution.pk], "confirm": "yes", "reason": "wrong customer",
          f"expected_{execution.pk}": seen},
     )  # fmt: skip
 
@@ -52,3 +52,16 @@ def test_cancelling_a_queued_execution_means_it_never_runs(workers: Any) -> None
     wait_for(lambda: state_of(probe.pk) == "SUCCEEDED", timeout=60, what="a later task")
     assert not EffectRaw.objects.filter(key=execution.idempotency_key).exists()
     assert state_of(execution.pk) == "CANCELLED"
+
+
+def test_marking_a_running_execution_failed_stops_its_body(workers: Any, open_gate: Any) -> None:
+    """Otherwise "mark failed" then "retry now" could run two bodies at once."""
+    worker = workers.start(concurrency=1)
+    execution = submit("testapp.effect", kwargs={"gate": "fail-me"})
+    wait_for(lambda: EffectRaw.objects.filter(key=execution.idempotency_key).exists(), timeout=60, what="started")
+    pid = EffectRaw.objects.get(key=execution.idempotency_key).pid
+    cancel(execution, "RUNNING", action="mark_failed")
+    assert state_of(execution.pk) == "FAILED"
+    wait_for(lambda: pid not in {c.pid for c in worker.pool_children()}, timeout=30, what="the body's process to end")
+    open_gate("fail-me:1")
+    assert not Effect.objects.filter(key=execution.idempotency_key).exists()

@@ -102,6 +102,7 @@ def test_the_same_key_for_a_different_request_is_refused(alice: User, campaign: 
         ({"campaign": "autumn"}, None, {}, "no campaign 'autumn'"),
         ({"campaign": "winter", "user": 1}, None, {}, "unknown field(s): user"),
         ({"campaign": "winter"}, None, {"HTTP_IDEMPOTENCY_KEY": "x" * 201}, "Idempotency-Key must be"),
+        (None, b"[" * 5000 + b"]" * 5000, {}, "nests too deeply"),
     ],
 )
 def test_bad_input_is_a_400_with_a_message_and_records_nothing(

@@ -384,3 +384,51 @@ def test_the_landing_page_shows_counts_and_an_offline_chart_of_the_last_24_hours
     other = Client()
     other.login(username="nobody", password="pw")
     assert 'id="tp-overview"' not in other.get("/admin/").content.decode()
+
+
+def test_a_resubmitted_form_does_not_act_on_a_later_attempt_that_ended_in_the_same_state() -> None:
+    dead = make_execution("aba-1", State.FAILED)
+    client = operator("retry_execution")
+    form = {f"expected_{dead.pk}": f"FAILED:{dead.fencing_token}"}
+    act(client, "retry_now", [dead], reason="first try", **form)
+    dead.refresh_from_db()
+    claim = ledger.claim(dead, worker="w:2", celery_task_id="t2", lease_seconds=60, max_attempts=1)
+    assert claim is not None
+    ledger.dead_letter(claim.execution, claim.token, error="again", traceback="", worker="w:2")
+    again = act(client, "retry_now", [dead], reason="first try", **form)  # the browser resends the old form
+    assert b"ran another attempt since" in again.content
+    dead.refresh_from_db()
+    assert dead.state == State.FAILED and len(operator_events(dead)) == 1
+
+
+def test_force_release_refuses_when_the_lock_changed_hands_since_the_confirmation() -> None:
+    backend = get_lock_backend()
+    old = backend.acquire("handed-over", 600, identity="old-host:1")
+    assert old is not None
+    backend.force_release("handed-over")
+    new = backend.acquire("handed-over", 600, identity="new-host:2")
+    assert new is not None
+    admin = operator("view_locklease", "force_release_locklease")
+    admin.post(
+        "/admin/taskplatform/locklease/force-release/",
+        {"alias": "default", "name": "handed-over", "confirm": "yes", "reason": "stale page", "owner": old.owner},
+    )
+    assert backend.inspect("handed-over").owner == new.owner  # type: ignore[union-attr]
+    assert not OperatorAction.objects.exists()
+    page = admin.get("/admin/taskplatform/locklease/force-release/?alias=nope&name=x", follow=True)
+    assert page.status_code == 200 and b"Cannot inspect lock" in page.content
+
+
+def test_pausing_from_the_job_form_needs_the_pause_permission_and_is_audited() -> None:
+    job = JobDefinition.objects.create(slug="guarded", task="testapp.effect")
+    editor = operator("change_jobdefinition", username="editor")
+    form = job_form(slug="guarded", schedule_kind="none", cron="", enabled="")  # unchecked box: pause
+    form.pop("enabled")
+    assert editor.post(f"{JOBS}{job.pk}/change/", form).status_code == 302
+    job.refresh_from_db()
+    assert job.enabled  # the field is read-only without the pause permission
+    pauser = operator("change_jobdefinition", "pause_jobdefinition", username="pauser")
+    assert pauser.post(f"{JOBS}{job.pk}/change/", form).status_code == 302
+    job.refresh_from_db()
+    assert not job.enabled
+    assert OperatorAction.objects.get().action == "pause_job"

@@ -54,6 +54,8 @@ def test_metrics_need_the_token_or_a_staff_session(settings: Any) -> None:
     staff = Client()
     staff.login(username="staff", password="pw")
     assert staff.get("/metrics").status_code == 200
+    assert Client().get("/metrics", HTTP_AUTHORIZATION=f"bearer {TOKEN}").status_code == 200  # scheme case
+    assert Client().get("/metrics", HTTP_AUTHORIZATION="Bearer ünïcode").status_code == 401  # not a 500
     settings.TASKPLATFORM_METRICS_TOKEN = ""
     assert Client().get("/metrics", HTTP_AUTHORIZATION="Bearer ").status_code == 401
 

@@ -27,6 +27,7 @@ import pytest
 from taskplatform.exceptions import ConfigurationError
 from taskplatform.slots import (
     EPOCH,
+    Bounded,
     Clocked,
     Crontab,
     DuePlan,
@@ -520,15 +521,22 @@ def test_run_once_across_a_spring_forward_names_the_latest_owed_crontab_slot() -
 
 
 @pytest.mark.parametrize(
-    ("policy", "publish", "dropped"),
+    ("policy", "publish", "dropped", "cursor"),
     [
-        pytest.param("skip", (), 5, id="skip"),
-        pytest.param("run_once", (utc(2026, 3, 29, 0, 5),), 4, id="run_once"),
-        pytest.param("catch_up", tuple(utc(2026, 3, 29, 0, m) for m in (1, 2, 3, 4, 5)), 0, id="catch_up"),
+        # skip and run_once go straight to the tail of the backlog (the dropped count is capped at the limit).
+        pytest.param(
+            "skip", (utc(2026, 3, 29, 11, 59), utc(2026, 3, 29, 12, 0)), 5, utc(2026, 3, 29, 12, 0), id="skip"
+        ),
+        pytest.param("run_once", (utc(2026, 3, 29, 12, 0),), 5, utc(2026, 3, 29, 12, 0), id="run_once"),
+        # catch_up publishes in order, ``limit`` at a time, and continues from its cursor.
+        pytest.param(
+            "catch_up", tuple(utc(2026, 3, 29, 0, m) for m in (1, 2, 3, 4, 5)), 0, utc(2026, 3, 29, 0, 5),
+            id="catch_up",
+        ),
     ],
-)
+)  # fmt: skip
 def test_limit_bounds_one_plan_and_the_cursor_stops_at_the_last_slot_planned(
-    policy: str, publish: tuple[datetime, ...], dropped: int
+    policy: str, publish: tuple[datetime, ...], dropped: int, cursor: datetime
 ) -> None:
     plan = plan_due(
         Interval(60),
@@ -539,7 +547,7 @@ def test_limit_bounds_one_plan_and_the_cursor_stops_at_the_last_slot_planned(
         catch_up_window_seconds=86400,
         limit=5,
     )
-    assert plan == DuePlan(publish=publish, dropped=dropped, cursor=utc(2026, 3, 29, 0, 5))
+    assert plan == DuePlan(publish=publish, dropped=dropped, cursor=cursor)
 
 
 def test_a_limited_plan_continues_from_its_cursor_without_gaps_or_repeats() -> None:
@@ -673,3 +681,30 @@ def test_slot_key_tells_the_two_occurrences_of_a_repeated_local_time_apart() -> 
 def test_format_slot_keeps_sub_second_precision_only_when_present() -> None:
     assert format_slot(utc(2026, 3, 29, 1, 0)) == "2026-03-29T01:00:00Z"
     assert format_slot(datetime(2026, 3, 29, 1, 0, 0, 1500, tzinfo=UTC)) == "2026-03-29T01:00:00.001500Z"
+
+
+def test_run_once_after_a_long_outage_is_one_execution_however_many_slots_were_missed() -> None:
+    """A per-second job down for a year: one execution, and no walk over 31 million slots."""
+    plan = plan_due(
+        Interval(1),
+        cursor=utc(2025, 3, 29, 12, 0),
+        now=utc(2026, 3, 29, 12, 0),
+        policy=MisfirePolicy.RUN_ONCE,
+        grace_seconds=60,
+        catch_up_window_seconds=3600,
+        limit=500,
+    )
+    assert plan.publish == (utc(2026, 3, 29, 12, 0),) and plan.cursor == utc(2026, 3, 29, 12, 0)
+    assert plan.dropped == 500  # counted up to the limit
+
+
+def test_start_time_and_expiry_bound_the_slots() -> None:
+    schedule = Bounded(Interval(600), not_before=utc(2026, 3, 29, 10, 0), not_after=utc(2026, 3, 29, 11, 0))
+    assert list(schedule.slots(utc(2026, 3, 29, 0, 0), utc(2026, 3, 30))) == list(
+        ten_minute_slots(utc(2026, 3, 29, 10, 0), utc(2026, 3, 29, 11, 0))
+    )
+    plan = plan_due(
+        schedule, cursor=utc(2026, 3, 29, 0, 0), now=NOW, policy="run_once", grace_seconds=GRACE,
+        catch_up_window_seconds=WINDOW,
+    )  # fmt: skip
+    assert plan.publish == (utc(2026, 3, 29, 11, 0),)  # not a slot after the expiry

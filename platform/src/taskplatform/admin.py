@@ -241,7 +241,7 @@ class ExecutionAdmin(admin.ModelAdmin):
             expected = {
                 int(k.removeprefix("expected_")): str(request.POST[k])
                 for k in request.POST
-                if k.startswith("expected_")
+                if k.startswith("expected_") and k.removeprefix("expected_").isdigit()
             }
             if not reason:
                 self.message_user(request, "A reason is required; nothing changed.", messages.ERROR)
@@ -249,7 +249,7 @@ class ExecutionAdmin(admin.ModelAdmin):
                 self.message_user(request, "Nothing was selected; nothing changed.", messages.WARNING)
             else:
                 if only is not None:
-                    expected = {pk: seen for pk, seen in expected.items() if seen == only}
+                    expected = {pk: seen for pk, seen in expected.items() if seen.partition(":")[0] == only}
                 outcome = console.apply(action_name, expected, user=user_label(request), reason=reason)
                 if outcome.changed:
                     self.message_user(
@@ -328,6 +328,10 @@ class JobDefinitionAdmin(admin.ModelAdmin):
             return f"once at {task.clocked.clocked_time:%Y-%m-%d %H:%M %Z}"
         return "—"
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        """Pausing and resuming has its own permission, in the form as in the actions."""
+        return [] if self.has_pause_permission(request) else ["enabled"]
+
     def save_model(self, request: HttpRequest, obj: JobDefinition, form: Any, change: bool) -> None:
         """Save the job and its schedule together (django-celery-beat's tables hold the schedule)."""
         from django.db import transaction
@@ -336,6 +340,9 @@ class JobDefinitionAdmin(admin.ModelAdmin):
 
         with transaction.atomic():
             super().save_model(request, obj, form, change)
+            if change and "enabled" in form.changed_data:
+                action = "resume_job" if obj.enabled else "pause_job"
+                console.audit(user_label(request), action, f"job:{obj.slug}", "changed in the job form")
             arguments = form.schedule_arguments()
             if arguments is not None:
                 schedule_job(obj, **arguments)
@@ -523,7 +530,10 @@ class LockAdmin(admin.ModelAdmin):
                 self.message_user(request, "A reason is required; the lock was not released.", messages.ERROR)
             else:
                 try:
-                    released = console.force_release_lock(alias, name, user=user_label(request), reason=reason)
+                    released = console.force_release_lock(
+                        alias, name, user=user_label(request), reason=reason,
+                        expected_owner=request.POST.get("owner") or None,
+                    )  # fmt: skip
                 except TaskPlatformError as exc:
                     self.message_user(request, f"Not released: {exc}", messages.ERROR)
                 else:
@@ -535,7 +545,11 @@ class LockAdmin(admin.ModelAdmin):
             return HttpResponseRedirect(reverse("admin:taskplatform_locklease_changelist"))
         from .backends import get_lock_backend
 
-        info = get_lock_backend(alias).inspect(name) if alias and name else None
+        try:
+            info = get_lock_backend(alias).inspect(name) if alias and name else None
+        except Exception as exc:  # unknown alias, unreachable server: say so, do not fail
+            self.message_user(request, f"Cannot inspect lock {name!r} on {alias!r}: {exc}", messages.ERROR)
+            return HttpResponseRedirect(reverse("admin:taskplatform_locklease_changelist"))
         context = {
             **self.admin_site.each_context(request),
             "title": "Force-release a lock: confirm",

@@ -52,7 +52,7 @@ from .conf import PlatformSettings, platform_settings
 from .exceptions import ConfigurationError, SubmissionError
 from .logs import execution_context
 from .models import BeatProcess, JobDefinition, ScheduleCursor, SchedulerFence, Trigger
-from .slots import Clocked, Crontab, Interval, MisfirePolicy, Schedule, plan_due, slot_key
+from .slots import PERIOD_SECONDS, Bounded, Clocked, Crontab, Interval, MisfirePolicy, Schedule, plan_due, slot_key
 
 log = logging.getLogger("taskplatform.beat")
 
@@ -60,8 +60,6 @@ log = logging.getLogger("taskplatform.beat")
 HEARTBEAT_SECONDS = 5.0
 #: The task a plain django-celery-beat entry uses to trigger a job by slug.
 TRIGGER_TASK = "taskplatform.trigger_job"
-
-_PERIOD_SECONDS = {"days": 86_400, "hours": 3600, "minutes": 60, "seconds": 1, "microseconds": 1e-6}
 
 
 def configuration_problems(conf: PlatformSettings) -> list[str]:
@@ -144,17 +142,8 @@ class Leadership:
             if self.lease is not None:
                 log.info("beat %s leads (lease %s, fencing token %d)", self.identity, self.name, self.lease.token)
             return self.lease is not None, self.lease is not None
-        if self.lease.remaining() < self.lease_seconds - self.tick_seconds / 2:
-            try:
-                renewed = self.backend.renew(self.lease, self.lease_seconds)
-            except Exception as exc:
-                self._log_error("could not renew the beat lease: %s", exc)
-            else:
-                if renewed is None:
-                    log.warning("beat %s lost the lease %s (expired or taken over)", self.identity, self.name)
-                    self.lease = None
-                    return False, False
-                self.lease = renewed
+        if not self.renew_if_due():
+            return False, False
         if not self.may_publish():
             log.warning(
                 "beat %s steps down: its lease has %.1f s left and could not be renewed",
@@ -164,6 +153,28 @@ class Leadership:
             self.lease = None
             return False, False
         return True, False
+
+    def renew_if_due(self) -> bool:
+        """Renew when at least half a tick passed since the grant; False if the lease was lost.
+
+        An unreachable lock server is not a loss: the lease stays trusted while it has more
+        than the step-down margin left (``may_publish``).
+        """
+        if self.lease is None:
+            return False
+        if self.lease.remaining() >= self.lease_seconds - self.tick_seconds / 2:
+            return True
+        try:
+            renewed = self.backend.renew(self.lease, self.lease_seconds)
+        except Exception as exc:
+            self._log_error("could not renew the beat lease: %s", exc)
+            return True
+        if renewed is None:
+            log.warning("beat %s lost the lease %s (expired or taken over)", self.identity, self.name)
+            self.lease = None
+            return False
+        self.lease = renewed
+        return True
 
     def abdicate(self) -> None:
         """Forget the lease without releasing it (it was lost, or a successor fenced us off)."""
@@ -197,9 +208,11 @@ def take_over_fence(name: str, lease: Lease, still_holds: Callable[[], bool]) ->
     flush): then the fence follows the lock.
     """
     SchedulerFence.objects.get_or_create(name=name)
-    taken = SchedulerFence.objects.filter(name=name, fencing_token__lt=lease.token).update(
-        fencing_token=lease.token, leader=lease.owner, updated_at=timezone.now()
-    )
+    with transaction.atomic():
+        bound_lock_waits(lease)
+        taken = SchedulerFence.objects.filter(name=name, fencing_token__lt=lease.token).update(
+            fencing_token=lease.token, leader=lease.owner, updated_at=timezone.now()
+        )
     if taken:
         return
     current = SchedulerFence.objects.get(name=name)
@@ -222,8 +235,21 @@ def take_over_fence(name: str, lease: Lease, still_holds: Callable[[], bool]) ->
     raise FencedOff(f"a newer leader ({current.leader}, token {current.fencing_token}) took over {name}")
 
 
+def bound_lock_waits(lease: Lease) -> None:
+    """In this transaction, on PostgreSQL: wait for the fence row lock at most until the lease
+    could be untrusted, and let the server end the transaction if this process stalls inside
+    it (a paused leader must not hold the fence row, and so every successor, indefinitely)."""
+    if connection.vendor != "postgresql":
+        return
+    budget_ms = max(100, int(lease.remaining() * 1000) - 500)
+    with connection.cursor() as cur:
+        cur.execute(f"SET LOCAL lock_timeout = {budget_ms}")
+        cur.execute(f"SET LOCAL idle_in_transaction_session_timeout = {max(budget_ms, 1000)}")
+
+
 def check_fence(name: str, lease: Lease) -> None:
     """Inside the publication transaction: lock the fence row and confirm we still own it."""
+    bound_lock_waits(lease)
     if not SchedulerFence.objects.filter(name=name, leader=lease.owner, fencing_token=lease.token).update(
         updated_at=timezone.now()
     ):
@@ -250,8 +276,6 @@ class SlotEntry:
     options: dict[str, Any] = field(default_factory=dict)
     policy: MisfirePolicy = MisfirePolicy.RUN_ONCE
     catch_up_window_seconds: float = 3600.0
-    not_before: datetime | None = None  # PeriodicTask.start_time
-    not_after: datetime | None = None  # PeriodicTask.expires
     generation: int = 0
 
     @property
@@ -259,14 +283,7 @@ class SlotEntry:
         return self.job_slug if self.kind == "job" else self.name
 
     def next_slot(self, after: datetime) -> datetime | None:
-        if self.schedule is None:
-            return None
-        if self.not_before is not None and after < self.not_before:
-            after = self.not_before - timedelta(microseconds=1)
-        upcoming = self.schedule.next_after(after)
-        if upcoming is not None and self.not_after is not None and upcoming > self.not_after:
-            return None
-        return upcoming
+        return self.schedule.next_after(after) if self.schedule is not None else None
 
 
 _ROW_FIELDS = (
@@ -298,7 +315,7 @@ def build_schedule(row: dict[str, Any]) -> Schedule:
             timezone=str(row["crontab__timezone"]),
         )
     if row["interval__every"] is not None:
-        seconds = row["interval__every"] * _PERIOD_SECONDS[row["interval__period"]]
+        seconds = row["interval__every"] * PERIOD_SECONDS[row["interval__period"]]
         anchor = row["start_time"] or datetime(1970, 1, 1, tzinfo=UTC)
         return Interval(seconds, anchor=anchor)
     if row["clocked__clocked_time"] is not None:
@@ -318,6 +335,8 @@ def build_entry(row: dict[str, Any], job: dict[str, Any] | None, conf: PlatformS
 
     digest = _digest(row, job)
     schedule = build_schedule(row)
+    if row["start_time"] is not None or row["expires"] is not None:
+        schedule = Bounded(schedule, not_before=row["start_time"], not_after=row["expires"])
     options: dict[str, Any] = {}
     for option in ("queue", "exchange", "routing_key", "priority"):
         if row[option] is not None and row[option] != "":
@@ -338,8 +357,6 @@ def build_entry(row: dict[str, Any], job: dict[str, Any] | None, conf: PlatformS
         kwargs=_loads(row["kwargs"], {}),
         options=options,
         catch_up_window_seconds=conf.beat_catch_up_window_seconds,
-        not_before=row["start_time"],
-        not_after=row["expires"],
     )
     if job is not None:
         entry.kind = "job"
@@ -365,6 +382,8 @@ class ScheduleTable:
         self.heap: list[tuple[datetime, str, int]] = []
         self._generation = 0
         self.broken: dict[str, str] = {}
+        #: Wall time of the previous load: an entry that changed since was edited after it.
+        self.loaded_at: datetime | None = None
 
     def _push(self, entry: SlotEntry) -> None:
         cursor = self.cursors.get(entry.name)
@@ -374,11 +393,15 @@ class ScheduleTable:
         if upcoming is not None:
             heapq.heappush(self.heap, (upcoming, entry.name, entry.generation))
 
-    def load(self, now: datetime, *, first: bool) -> list[tuple[str, datetime]]:
-        """Re-read the schedule tables; returns cursors to create or reset ``(name, slot)``.
+    def load(self, now: datetime, *, first: bool) -> tuple[list[tuple[str, datetime]], list[str]]:
+        """Re-read the schedule tables; returns cursors to (re)set ``(name, slot)`` and to delete.
 
         ``first``: this process just became leader, so cursors are read from the database
         and nothing is known about earlier digests.
+
+        An entry that is new, edited, re-enabled or repaired since the previous load is owed
+        slots from that previous load on (it changed after it): an edit is not a misfire of
+        the new schedule, and a slot due between the edit and this load is not lost.
         """
         rows = list(PeriodicTask.objects.values(*_ROW_FIELDS))
         linked = {row["job__slug"] for row in rows if row["job__id"] is not None}
@@ -394,11 +417,20 @@ class ScheduleTable:
         }
         if first:
             self.cursors = dict(ScheduleCursor.objects.values_list("name", "last_slot"))
+        since = self.loaded_at or now
+        self.loaded_at = now
         resets: list[tuple[str, datetime]] = []
         seen: set[str] = set()
         for row in rows:
             name = row["name"]
             seen.add(name)
+            shadowed = _shadowed_trigger(row, linked)
+            if shadowed:
+                if self.broken.get(name) != shadowed:
+                    log.error("schedule entry %r ignored: %s", name, shadowed)
+                self.broken[name] = shadowed
+                self.entries.pop(name, None)
+                continue
             job = _job_of(row, jobs_by_slug)
             digest = _digest(row, job)
             known = self.entries.get(name)
@@ -412,19 +444,21 @@ class ScheduleTable:
                 self.broken[name] = str(exc)
                 self.entries.pop(name, None)
                 continue
-            self.broken.pop(name, None)
+            repaired = self.broken.pop(name, None) is not None
             self._generation += 1
             entry.generation = self._generation
             self.entries[name] = entry
-            if name not in self.cursors or (known is not None and not first):
-                # New to the schedule, or edited while we led: owed slots start now (an
-                # edit is not a misfire of the new schedule).
-                self.cursors[name] = now
-                resets.append((name, now))
+            if name not in self.cursors or repaired or (known is not None and not first):
+                start = max(self.cursors.get(name, since), since) if not first else now
+                self.cursors[name] = start
+                resets.append((name, start))
             self._push(entry)
-        for name in set(self.entries) - seen:
-            del self.entries[name]
-        return resets
+        gone = [name for name in self.cursors if name not in seen]
+        for name in gone:
+            self.entries.pop(name, None)
+            self.cursors.pop(name, None)
+            self.broken.pop(name, None)
+        return resets, gone
 
     def pop_due(self, now: datetime) -> list[SlotEntry]:
         due: dict[str, SlotEntry] = {}
@@ -454,6 +488,16 @@ def _loads_safely(text: str | None) -> Any:
         return _loads(text, [])
     except ValueError:
         return []
+
+
+def _shadowed_trigger(row: dict[str, Any], linked: set[str]) -> str:
+    """Why a plain ``trigger_job`` row must not run (its job has a linked schedule), or ""."""
+    if row["task"] != TRIGGER_TASK or row["job__id"] is not None:
+        return ""
+    args = _loads_safely(row["args"])
+    if args and isinstance(args[0], str) and args[0] in linked:
+        return f"job {args[0]!r} already has its own schedule (job:{args[0]}); running both would run it twice"
+    return ""
 
 
 def _job_of(row: dict[str, Any], jobs_by_slug: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
@@ -501,6 +545,7 @@ class LockedScheduler(DatabaseScheduler):
         self._last_sync = float("-inf")
         self._last_heartbeat = float("-inf")
         self._reported_leading = False
+        self._needs_full_load = False
         self._started_at = timezone.now()
         self._maintenance: Maintenance | None = None
         backend = get_lock_backend(self.conf.beat_lock_alias)
@@ -548,7 +593,10 @@ class LockedScheduler(DatabaseScheduler):
         assert self.table is not None
         try:
             now = timezone.now()
-            if started - self._last_sync >= self.conf.beat_sync_seconds:
+            if self._needs_full_load:
+                self._needs_full_load = False
+                self._sync_table(now, first=True)
+            elif started - self._last_sync >= self.conf.beat_sync_seconds:
                 self._sync_table(now, first=False)
             self._publish_due(now)
         except FencedOff as exc:
@@ -640,14 +688,25 @@ class LockedScheduler(DatabaseScheduler):
 
     def _sync_table(self, now: datetime, *, first: bool) -> None:
         assert self.table is not None
-        resets = self.table.load(now, first=first)
+        resets, gone = self.table.load(now, first=first)
         self._last_sync = time.monotonic()
-        if resets:
-            lease = self.leadership.lease
-            assert lease is not None
+        if not (resets or gone):
+            return
+        lease = self.leadership.lease
+        assert lease is not None
+        try:
             with transaction.atomic():
                 check_fence(self.conf.beat_lock_name, lease)
-                self._write_cursors(resets, lease.token)
+                if resets:
+                    self._write_cursors(resets, lease.token)
+                if gone:  # a schedule that comes back later starts afresh
+                    ScheduleCursor.objects.filter(name__in=gone).delete()
+        except Exception:
+            # The table already holds the new cursors; the database does not. Start over from
+            # the database on the next tick rather than carry on with the two disagreeing.
+            self.table = ScheduleTable(self.conf, self.app)
+            self._needs_full_load = True
+            raise
 
     def _write_cursors(self, cursors: Iterable[tuple[str, datetime]], token: int) -> None:
         # MySQL/MariaDB upsert on any unique key and refuse a conflict target.
@@ -701,9 +760,11 @@ class LockedScheduler(DatabaseScheduler):
 
     def _commit_batch(self, batch: list[tuple[SlotEntry, tuple[datetime, ...], datetime]], now: datetime) -> None:
         assert self.table is not None
-        lease = self.leadership.lease
-        if lease is None or not self.leadership.may_publish():
+        # Renew between batches too: a large backlog must not outlast the lease.
+        if not self.leadership.renew_if_due() or not self.leadership.may_publish():
             raise FencedOff("the lease can no longer be trusted")
+        lease = self.leadership.lease
+        assert lease is not None
         published = 0
         jobs = JobDefinition.objects.in_bulk([e.job_id for e, slots, _c in batch if slots and e.job_id])
         with transaction.atomic():

@@ -54,21 +54,30 @@ class Outcome:
 
 
 def apply(action_name: str, expected: dict[int, str], *, user: str, reason: str, revoke: bool = True) -> Outcome:
-    """Apply ``action_name`` to each execution ``id`` seen in state ``expected[id]``."""
+    """Apply ``action_name`` to each execution ``id`` seen as ``expected[id]``.
+
+    ``expected[id]`` is ``"STATE"`` or ``"STATE:fencing_token"``; with the token, a row that
+    went through another attempt and came back to the same state (a retried dead letter that
+    failed again) is not acted on twice.
+    """
     action = ACTIONS[action_name]
     if not reason or not reason.strip():
         raise LedgerError("a reason is required for an operator action")
     outcome = Outcome()
-    for execution_id, seen in expected.items():
+    for execution_id, seen_as in expected.items():
+        seen, _, token = seen_as.partition(":")
         try:
             execution = ledger.operator_transition(
-                execution_id, action.target, user=user, reason=reason.strip(), expected_state=seen
-            )
+                execution_id, action.target, user=user, reason=reason.strip(), expected_state=seen,
+                expected_token=int(token) if token.isdigit() else None,
+            )  # fmt: skip
         except (IllegalTransitionError, LedgerError) as exc:
             outcome.refused[execution_id] = str(exc)
             continue
         outcome.changed.append(execution_id)
-        if action.target == State.CANCELLED and revoke and execution.celery_task_id:
+        stops_work = action.target == State.CANCELLED or (action.target == State.FAILED and seen == State.RUNNING)
+        if stops_work and revoke and execution.celery_task_id:
+            # A body still running after "mark failed" could run beside a retry: stop it.
             _revoke(execution, running=seen == State.RUNNING)
     return outcome
 
@@ -127,14 +136,21 @@ def duplicate_job(job: JobDefinition, *, user: str, new_slug: str) -> JobDefinit
     return copy
 
 
-def force_release_lock(alias: str, name: str, *, user: str, reason: str) -> bool:
-    """Free a lock whoever holds it (a stuck beat lease, say); audited. True if it was held."""
+def force_release_lock(alias: str, name: str, *, user: str, reason: str, expected_owner: str | None = None) -> bool:
+    """Free a lock whoever holds it (a stuck beat lease, say); audited. True if it was held.
+
+    ``expected_owner``: the holder the operator saw; if another process holds the lock by
+    now, nothing is released (a resubmitted form must not free a healthy new holder).
+    """
     from .backends import get_lock_backend
 
     if not reason or not reason.strip():
         raise LedgerError("a reason is required to force-release a lock")
     backend = get_lock_backend(alias)
     before = backend.inspect(name)
+    if expected_owner is not None and (before is None or before.owner != expected_owner):
+        holder = before.owner if before and before.owner else "nobody"
+        raise LedgerError(f"lock {name} is held by {holder} now, not {expected_owner}: nothing released")
     released = backend.force_release(name)
     audit(
         user,

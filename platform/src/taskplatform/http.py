@@ -63,6 +63,8 @@ def json_body(request: HttpRequest, *, max_bytes: int | None = None) -> dict[str
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise HttpError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise HttpError(400, "invalid_json", "the body nests too deeply") from None
     if not isinstance(data, dict):
         raise HttpError(400, "invalid_json", f"the body must be a JSON object, not {type(data).__name__}")
     return data

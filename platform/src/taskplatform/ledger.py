@@ -580,11 +580,13 @@ def operator_transition(
     user: str,
     reason: str,
     expected_state: str | None = None,
+    expected_token: int | None = None,
 ) -> Execution:
     """Apply an operator's state change along a legal edge, audited with who and why.
 
-    ``expected_state`` is the state the operator saw; if the row moved since, nothing
-    changes (so the same form submitted twice acts once).
+    ``expected_state`` (and ``expected_token``, the fencing token) are what the operator
+    saw; if the row moved since, nothing changes (so the same form submitted twice acts once,
+    even if the row went through another attempt and came back to the same state).
     """
     from .publisher import new_task_id, publish_on_commit
 
@@ -595,6 +597,13 @@ def operator_transition(
     if expected_state is not None and expected_state != source:
         raise IllegalTransitionError(
             f"execution {execution_id} is {source} now, not {expected_state}: nothing changed",
+            source=source,
+            target=target,
+        )
+    if expected_token is not None and expected_token != execution.fencing_token:
+        raise IllegalTransitionError(
+            f"execution {execution_id} ran another attempt since (token {execution.fencing_token}, "
+            f"not {expected_token}): nothing changed",
             source=source,
             target=target,
         )

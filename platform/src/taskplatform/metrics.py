@@ -175,7 +175,11 @@ def _authorized(request: HttpRequest) -> bool:
     token = platform_settings().metrics_token
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
-    return bool(token) and scheme == "Bearer" and hmac.compare_digest(given.strip(), token)
+    return (
+        bool(token)
+        and scheme.lower() == "bearer"
+        and hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), token.encode())
+    )
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:

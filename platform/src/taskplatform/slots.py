@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from enum import StrEnum
+from itertools import islice
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -283,39 +284,86 @@ def plan_due(
 ) -> DuePlan:
     """The slots in ``(cursor, now]`` to publish, by misfire policy.
 
-    A slot due less than ``grace_seconds`` ago is on time (an ordinary tick or a failover
-    gap) and is always published. Older slots were missed while no beat published:
+    When every owed slot is less than ``grace_seconds`` late (an ordinary tick, a failover
+    gap), all of them are published. When some are older, they were missed while no beat
+    published, and the policy decides:
 
-    - ``skip``: dropped;
-    - ``run_once``: the whole owed backlog collapses into one execution, keyed by the latest
-      slot (so a second leader computing the same plan names the same slot);
-    - ``catch_up``: each missed slot is published, back to ``catch_up_window_seconds``;
-      older ones are dropped.
+    - ``skip``: the missed slots are dropped; the on-time ones are published;
+    - ``run_once``: the whole owed backlog, on-time slots included, collapses into one
+      execution keyed by the latest owed slot (a second leader names the same slot);
+    - ``catch_up``: every slot back to ``catch_up_window_seconds`` is published, older ones
+      are dropped.
 
-    ``limit`` bounds the work of one plan; the cursor then stops at the last slot planned.
+    Only the tail of a long backlog is walked (a year-long outage of a per-second job costs
+    no more than the slots kept). ``limit`` bounds the slots of one plan; the cursor then
+    stops at the last one planned and the next plan continues from there.
     """
     policy = MisfirePolicy(policy)
-    grace_start = now - timedelta(seconds=grace_seconds)
-    owed: list[datetime] = []
-    cursor_out = cursor
-    for slot in schedule.slots(cursor, now):
-        owed.append(slot)
-        cursor_out = slot
-        if len(owed) >= limit:
-            break
-    if not owed:
+    first = schedule.next_after(cursor)
+    if first is None or first > now:
         return DuePlan((), 0, cursor)
-    missed = [s for s in owed if s < grace_start]
-    on_time = owed[len(missed) :]
-    if not missed:
-        return DuePlan(tuple(on_time), 0, cursor_out)
-    if policy is MisfirePolicy.SKIP:
-        return DuePlan(tuple(on_time), len(missed), cursor_out)
+    grace_start = now - timedelta(seconds=grace_seconds)
+    if first >= grace_start:  # nothing missed
+        owed = list(islice(schedule.slots(cursor, now), limit))
+        return DuePlan(tuple(owed), 0, owed[-1])
     if policy is MisfirePolicy.RUN_ONCE:
-        return DuePlan((owed[-1],), len(owed) - 1, cursor_out)
-    window_start = now - timedelta(seconds=catch_up_window_seconds)
-    kept = [s for s in missed if s >= window_start]
-    return DuePlan(tuple(kept + on_time), len(missed) - len(kept), cursor_out)
+        latest = schedule.last_at_or_before(now, cursor) or first
+        return DuePlan((latest,), count_between(schedule, cursor, latest, cap=limit, inclusive=False), latest)
+    start = grace_start
+    if policy is MisfirePolicy.CATCH_UP:
+        start = min(grace_start, now - timedelta(seconds=catch_up_window_seconds))
+    since = max(cursor, start - timedelta(microseconds=1))
+    kept = list(islice(schedule.slots(since, now), limit))
+    dropped = count_between(schedule, cursor, start, cap=limit, inclusive=False)
+    if not kept:  # every owed slot was dropped: the cursor moves to the last of them
+        return DuePlan((), dropped, schedule.last_at_or_before(now, cursor) or first)
+    return DuePlan(tuple(kept), dropped, kept[-1])
+
+
+def count_between(schedule: Schedule, after: datetime, until: datetime, *, cap: int, inclusive: bool = True) -> int:
+    """Slots in ``(after, until]`` (``(after, until)`` if not inclusive), counted up to ``cap``."""
+    n = 0
+    for slot in schedule.slots(after, until):
+        if not inclusive and slot >= until:
+            break
+        n += 1
+        if n >= cap:
+            break
+    return n
+
+
+@dataclass(frozen=True)
+class Bounded(Schedule):
+    """A schedule with no slot before ``not_before`` or after ``not_after`` (start time, expiry)."""
+
+    inner: Schedule
+    not_before: datetime | None = None
+    not_after: datetime | None = None
+
+    def next_after(self, after: datetime) -> datetime | None:
+        after = _aware(after, "after")
+        if self.not_before is not None and after < self.not_before:
+            after = self.not_before - timedelta(microseconds=1)
+        upcoming = self.inner.next_after(after)
+        if upcoming is not None and self.not_after is not None and upcoming > self.not_after:
+            return None
+        return upcoming
+
+
+#: Seconds per django-celery-beat ``IntervalSchedule.period``.
+PERIOD_SECONDS: dict[str, float] = {"days": 86_400, "hours": 3600, "minutes": 60, "seconds": 1, "microseconds": 1e-6}
+
+
+def parse_cron(expression: str, timezone_name: str) -> Crontab:
+    """``"minute hour day-of-month month day-of-week"`` in ``timezone_name``; ConfigurationError if bad."""
+    parts = expression.split()
+    if len(parts) != 5:
+        raise ConfigurationError(
+            f"a cron expression has 5 fields (minute hour day-of-month month day-of-week), not {len(parts)}: "
+            f"{expression!r}"
+        )
+    minute, hour, day_of_month, month_of_year, day_of_week = parts
+    return Crontab(minute, hour, day_of_month, month_of_year, day_of_week, timezone=timezone_name)
 
 
 def merge_next(schedules: dict[str, tuple[Schedule, datetime]]) -> list[tuple[datetime, str]]:
