@@ -138,10 +138,10 @@ LOGGING: dict[str, Any] = {
     "handlers": {
         "console": {"class": "logging.StreamHandler", "formatter": TASKPLATFORM_LOG_FORMAT, "filters": ["execution"]}
     },
-    "loggers": {
-        "taskplatform": {"handlers": ["console"], "level": _LOG_LEVEL},
-        "tasks": {"handlers": ["console"], "level": _LOG_LEVEL},
-    },
+    # One handler, on the root logger: in Celery processes Celery replaces it with its own
+    # (config/celery_app.py gives that one the same filter and format), so no line is doubled.
+    "root": {"handlers": ["console"], "level": "WARNING"},
+    "loggers": {"taskplatform": {"level": _LOG_LEVEL}, "tasks": {"level": _LOG_LEVEL}},
 }
 
 # --- Celery (read by config/celery_app.py with namespace="CELERY") -----------------------------

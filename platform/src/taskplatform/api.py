@@ -159,18 +159,21 @@ def schedule_job(
     from django_celery_beat.models import ClockedSchedule, CrontabSchedule, IntervalSchedule, PeriodicTask
 
     from .exceptions import ConfigurationError
-    from .slots import Crontab
+    from .slots import parse_cron
 
     if sum(x is not None for x in (cron, every_seconds, at)) != 1:
         raise ConfigurationError("give exactly one of cron, every_seconds and at")
     fields: dict[str, Any] = {"interval": None, "crontab": None, "clocked": None, "solar": None, "one_off": False}
     with transaction.atomic():
         if cron is not None:
-            parts = cron.split()
-            if len(parts) != 5:
-                raise ConfigurationError(f"a cron expression has 5 fields, not {len(parts)}: {cron!r}")
-            minute, hour, dom, month, dow = parts
-            Crontab(minute, hour, dom, month, dow, timezone_name)  # validates, raises ConfigurationError
+            spec = parse_cron(cron, timezone_name)  # raises ConfigurationError on bad input
+            minute, hour, dom, month, dow = (
+                spec.minute,
+                spec.hour,
+                spec.day_of_month,
+                spec.month_of_year,
+                spec.day_of_week,
+            )
             fields["crontab"], _ = CrontabSchedule.objects.get_or_create(
                 minute=minute, hour=hour, day_of_month=dom, month_of_year=month, day_of_week=dow,
                 timezone=timezone_name,

@@ -56,6 +56,8 @@ from .slots import PERIOD_SECONDS, Bounded, Clocked, Crontab, Interval, MisfireP
 
 log = logging.getLogger("taskplatform.beat")
 
+#: Executions deleted per pruning transaction.
+PRUNE_BATCH = 1000
 #: How often a beat process records itself in ``BeatProcess`` (for ``taskplatform status``).
 HEARTBEAT_SECONDS = 5.0
 #: The task a plain django-celery-beat entry uses to trigger a job by slug.
@@ -879,7 +881,11 @@ class Maintenance(threading.Thread):
                     run_rescuer()
                 if now >= next_prune and self.conf.retention_days > 0:
                     next_prune = now + self.conf.prune_interval_seconds
-                    ledger.prune(timezone.now() - timedelta(days=self.conf.retention_days))
+                    cutoff = timezone.now() - timedelta(days=self.conf.retention_days)
+                    # Batch after batch for up to a minute: retention keeps up with the load.
+                    budget = time.monotonic() + 60
+                    while self.is_leading() and time.monotonic() < budget and ledger.prune(cutoff) == PRUNE_BATCH:
+                        pass
             except Exception:
                 log.exception("beat maintenance pass failed; retrying next interval")
             finally:

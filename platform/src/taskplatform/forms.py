@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from .exceptions import ConfigurationError
 from .models import JobDefinition
-from .slots import Clocked, Crontab, Interval, Schedule
+from .slots import PERIOD_SECONDS, Clocked, Interval, Schedule, parse_cron
 
 SCHEDULE_KINDS = [
     ("none", "No schedule (run on demand only)"),
@@ -65,13 +65,7 @@ class PrettyJSONField(forms.JSONField):
 def schedule_from(kind: str, data: dict[str, Any]) -> Schedule | None:
     """The slots.Schedule a form's schedule fields describe (raises ConfigurationError)."""
     if kind == "cron":
-        parts = (data.get("cron") or "").split()
-        if len(parts) != 5:
-            raise ConfigurationError(
-                f"a cron expression has 5 fields (minute hour day-of-month month day-of-week), not {len(parts)}"
-            )
-        minute, hour, day_of_month, month_of_year, day_of_week = parts
-        return Crontab(minute, hour, day_of_month, month_of_year, day_of_week, timezone=data.get("timezone") or "UTC")
+        return parse_cron(data.get("cron") or "", data.get("timezone") or "UTC")
     if kind == "interval":
         every = data.get("every_seconds")
         if not every:
@@ -151,9 +145,9 @@ class JobDefinitionForm(forms.ModelForm):
                     timezone=str(c.timezone),
                 )
             elif task.interval is not None:
-                seconds = {"days": 86_400, "hours": 3600, "minutes": 60, "seconds": 1}.get(task.interval.period, 1)
+                seconds = task.interval.every * PERIOD_SECONDS.get(task.interval.period, 1)
                 self.initial.update(
-                    schedule_kind="interval", every_seconds=task.interval.every * seconds, start=task.start_time
+                    schedule_kind="interval", every_seconds=max(1, round(seconds)), start=task.start_time
                 )
             elif task.clocked is not None:
                 self.initial.update(schedule_kind="once", run_at=task.clocked.clocked_time)

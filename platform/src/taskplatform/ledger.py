@@ -662,15 +662,17 @@ def prune(older_than: datetime, *, batch_size: int = 1000) -> int:
     One batch per call (oldest first), so a large backlog is worked off over several
     maintenance passes without a long transaction. Returns how many executions went.
     """
-    ids = list(
-        Execution.objects.filter(state__in=PRUNABLE_STATES, finished_at__lt=older_than)
-        .order_by("finished_at")
-        .values_list("pk", flat=True)[:batch_size]
-    )
-    if not ids:
-        return 0
     with transaction.atomic():
+        # Locked, so an operator's retry cannot move a row between this choice and the delete.
+        ids = list(
+            Execution.objects.select_for_update()
+            .filter(state__in=PRUNABLE_STATES, finished_at__lt=older_than)
+            .order_by("finished_at")
+            .values_list("pk", flat=True)[:batch_size]
+        )
+        if not ids:
+            return 0
         ExecutionEvent.objects.filter(execution_id__in=ids).delete()
-        deleted, _ = Execution.objects.filter(pk__in=ids, state__in=PRUNABLE_STATES).delete()
-    log.info("pruned %d executions finished before %s", deleted, older_than.isoformat())
-    return deleted
+        Execution.objects.filter(pk__in=ids).delete()
+    log.info("pruned %d executions finished before %s", len(ids), older_than.isoformat())
+    return len(ids)
