@@ -244,9 +244,11 @@ def bound_lock_waits(lease: Lease) -> None:
     if connection.vendor != "postgresql":
         return
     budget_ms = max(100, int(lease.remaining() * 1000) - 500)
-    with connection.cursor() as cur:
-        cur.execute(f"SET LOCAL lock_timeout = {budget_ms}")
-        cur.execute(f"SET LOCAL idle_in_transaction_session_timeout = {max(budget_ms, 1000)}")
+    with connection.cursor() as cur:  # one round trip; both settings end with the transaction
+        cur.execute(
+            "SELECT set_config('lock_timeout', %s, true), set_config('idle_in_transaction_session_timeout', %s, true)",
+            [f"{budget_ms}ms", f"{max(budget_ms, 1000)}ms"],
+        )
 
 
 def check_fence(name: str, lease: Lease) -> None:
