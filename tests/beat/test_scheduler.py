@@ -332,9 +332,16 @@ def test_a_removed_schedule_loses_its_cursor_and_starts_afresh_when_it_returns(
     run_beat(leader, seconds=1.5)
     assert ScheduleCursor.objects.filter(name="job:comes-back").exists()
     PeriodicTask.objects.filter(name="job:comes-back").delete()
+    deleted_at = timezone.now()
     run_beat(leader, seconds=2.2)  # a sync (every 1 s) noticed on a tick (every 0.5 s at most)
     assert not ScheduleCursor.objects.filter(name="job:comes-back").exists()
-    published = Execution.objects.filter(job=job).count()
-    schedule_job(JobDefinition.objects.get(pk=job.pk), every_seconds=60)  # back, now every minute
-    run_beat(leader, seconds=1.2)
-    assert Execution.objects.filter(job=job).count() == published  # no replay of the gap
+    run_beat(leader, seconds=2.0)  # the gap
+    readded_at = timezone.now()
+    schedule_job(JobDefinition.objects.get(pk=job.pk), every_seconds=1)
+    run_beat(leader, seconds=2.2)
+    after_removal = Execution.objects.filter(job=job, scheduled_for__gt=deleted_at + timedelta(seconds=1.6))
+    slots = list(after_removal.values_list("scheduled_for", flat=True))
+    assert slots, "the returning schedule runs"
+    # Owed from the sync before it returned (at most a sync and a tick earlier), not from the
+    # old cursor: none of the gap's slots is replayed.
+    assert all(slot >= readded_at - timedelta(seconds=1.6) for slot in slots), slots
