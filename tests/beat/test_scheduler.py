@@ -180,16 +180,19 @@ def test_misfire_policy_after_downtime(schedulers: Callable[[], LockedScheduler]
     job = JobDefinition.objects.create(
         slug=f"m-{policy}", task="testapp.effect", misfire_policy=policy, catch_up_window_seconds=600
     )
-    schedule_job(job, every_seconds=60)
+    # Slots 20 s off the minute from now (anchored a day back): no slot is near the grace or
+    # window edges, and none falls due during the 1-second run.
     now = timezone.now()
-    last_slot = now.replace(second=0, microsecond=0) - timedelta(minutes=30)
+    latest = (now - timedelta(seconds=20)).replace(microsecond=0)
+    schedule_job(job, every_seconds=60, start=latest - timedelta(days=1))
+    last_slot = latest - timedelta(minutes=30)
     ScheduleCursor.objects.create(name=f"job:{job.slug}", last_slot=last_slot)
     with override_settings(TASKPLATFORM_BEAT_MISFIRE_GRACE_SECONDS=90.0):
         leader = schedulers()
         run_beat(leader, seconds=1.0)
     slots = sorted(Execution.objects.filter(job=job).values_list("scheduled_for", flat=True))
-    missed = [last_slot + timedelta(minutes=k) for k in range(1, 31)]
-    owed = [s for s in missed if s <= timezone.now()]
+    owed = [last_slot + timedelta(minutes=k) for k in range(1, 31)]
+    assert owed[-1] == latest
     on_time = [s for s in owed if s >= now - timedelta(seconds=90)]
     if policy == "skip":
         assert slots == on_time, expected
@@ -204,7 +207,7 @@ def test_misfire_policy_after_downtime(schedulers: Callable[[], LockedScheduler]
 
 def test_a_new_entry_does_not_run_its_past(schedulers: Callable[[], LockedScheduler]) -> None:
     job = JobDefinition.objects.create(slug="fresh", task="testapp.effect")
-    schedule_job(job, cron="* * * * *", timezone_name="America/New_York")
+    schedule_job(job, cron="0 0 1 1 *", timezone_name="America/New_York")  # its past: every New Year
     leader = schedulers()
     run_beat(leader, seconds=1.0)
     assert not Execution.objects.filter(job=job).exists()
