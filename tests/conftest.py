@@ -157,6 +157,18 @@ def test_database_url() -> str:
     return f"{scheme}://{user}{password}@{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or ''}/{s['NAME']}"
 
 
+def celery_env(broker: str | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Celery process a test starts: test settings, database and broker."""
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "config.settings.test",
+        "DATABASE_URL": test_database_url(),
+        "CELERY_BROKER_URL": broker or broker_url(),
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+
+
 @dataclass
 class Worker:
     """A real ``celery worker`` (or ``celery beat``) process started by a test."""
@@ -211,14 +223,7 @@ class WorkerFactory:
     ) -> Worker:
         name = f"w{len(self.workers) + 1}-{uuid.uuid4().hex[:6]}"
         logfile = self.tmp_path / f"{name}.log"
-        full_env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "config.settings.test",
-            "DATABASE_URL": test_database_url(),
-            "CELERY_BROKER_URL": broker or broker_url(),
-            "PYTHONUNBUFFERED": "1",
-            **(env or {}),
-        }
+        full_env = celery_env(broker, env)
         cmd = [
             sys.executable, "-m", "celery", "-A", "config", "worker",
             "-P", pool, "-c", str(concurrency), "-Q", queues,
@@ -274,14 +279,7 @@ class BeatFactory:
     def start(self, *, env: dict[str, str] | None = None, broker: str | None = None) -> Worker:
         name = f"beat{len(self.beats) + 1}-{uuid.uuid4().hex[:6]}"
         logfile = self.tmp_path / f"{name}.log"
-        full_env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "config.settings.test",
-            "DATABASE_URL": test_database_url(),
-            "CELERY_BROKER_URL": broker or broker_url(),
-            "PYTHONUNBUFFERED": "1",
-            **(env or {}),
-        }
+        full_env = celery_env(broker, env)
         cmd = [
             sys.executable, "-m", "celery", "-A", "config", "beat", "-S", "taskplatform.beat.LockedScheduler",
             "--loglevel", "INFO", "-f", str(logfile), "--pidfile=",

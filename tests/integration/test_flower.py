@@ -19,8 +19,7 @@ import pytest
 
 from taskplatform import submit
 from taskplatform.models import Execution
-from tests.conftest import ROOT, broker_url, free_port, port_open
-from tests.conftest import test_database_url as database_url
+from tests.conftest import ROOT, celery_env, free_port, port_open
 from tests.helpers import state_of, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -44,14 +43,7 @@ def start_flower(tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]
     return subprocess.Popen(
         [str(ROOT / "bin" / "flower")],
         cwd=ROOT,
-        env={
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "config.settings.test",
-            "DATABASE_URL": database_url(),
-            "CELERY_BROKER_URL": broker_url(),
-            "PYTHON": sys.executable,
-            **env,
-        },
+        env=celery_env(env={"PYTHON": sys.executable, **env}),
         stdout=(tmp_path / "flower.out").open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
