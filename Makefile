@@ -45,6 +45,7 @@ check-run:
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy

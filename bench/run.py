@@ -214,7 +214,7 @@ def statements_per_execution() -> dict[str, float]:
 
     from bench.benchapp import tasks as t
     from taskplatform import submit
-    from taskplatform.publisher import HEADER_EXECUTION
+    from taskplatform.core.publisher import HEADER_EXECUTION
 
     reset_state()
     counts: dict[str, float] = {}

@@ -18,6 +18,6 @@ def _structured_logs(logger: Any, **kwargs: Any) -> None:
     """Celery's own worker/beat log handlers get the execution fields and the chosen format."""
     from django.conf import settings
 
-    from taskplatform.logs import apply_to
+    from taskplatform.observability.logs import apply_to
 
     apply_to(logger, getattr(settings, "TASKPLATFORM_LOG_FORMAT", "plain"))

@@ -15,7 +15,7 @@ from typing import Any
 
 import dj_database_url
 
-from taskplatform.logs import PLAIN_FORMAT as PLAIN_LOG_FORMAT
+from taskplatform.observability.logs import PLAIN_FORMAT as PLAIN_LOG_FORMAT
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 VAR_DIR = Path(os.environ.get("TASKPLATFORM_VAR_DIR", BASE_DIR / "var"))
@@ -133,8 +133,11 @@ _LOG_LEVEL = os.environ.get("TASKPLATFORM_LOG_LEVEL", "INFO")
 LOGGING: dict[str, Any] = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"execution": {"()": "taskplatform.logs.ExecutionContextFilter"}},
-    "formatters": {"plain": {"format": PLAIN_LOG_FORMAT}, "json": {"()": "taskplatform.logs.JsonFormatter"}},
+    "filters": {"execution": {"()": "taskplatform.observability.logs.ExecutionContextFilter"}},
+    "formatters": {
+        "plain": {"format": PLAIN_LOG_FORMAT},
+        "json": {"()": "taskplatform.observability.logs.JsonFormatter"},
+    },
     "handlers": {
         "console": {"class": "logging.StreamHandler", "formatter": TASKPLATFORM_LOG_FORMAT, "filters": ["execution"]}
     },

@@ -26,10 +26,11 @@ from django_celery_beat.models import CrontabSchedule, IntervalSchedule, Periodi
 from config.celery_app import app as celery_app
 from taskplatform import schedule_job
 from taskplatform.backends import get_lock_backend
-from taskplatform.beat import FencedOff, LockedScheduler
+from taskplatform.beat import LockedScheduler
 from taskplatform.exceptions import ConfigurationError
 from taskplatform.models import Execution, JobDefinition, ScheduleCursor, SchedulerFence
-from taskplatform.slots import format_slot
+from taskplatform.scheduling.leadership import FencedOff
+from taskplatform.scheduling.slots import format_slot
 from tests.conftest import broker_url, redis_flushdb
 from tests.helpers import event_kinds
 

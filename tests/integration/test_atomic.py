@@ -8,8 +8,8 @@ import signal
 import pytest
 
 from taskplatform import submit
+from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, JobDefinition
-from taskplatform.rescuer import run_rescuer
 from tests.helpers import event_kinds, state_of
 from tests.testapp.models import Effect
 

@@ -7,8 +7,8 @@ import redis
 from django.test import override_settings
 
 from taskplatform import submit
+from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, ExecutionEvent
-from taskplatform.rescuer import run_rescuer
 from tests.testapp.models import Effect
 
 pytestmark = [pytest.mark.worker, pytest.mark.fault]

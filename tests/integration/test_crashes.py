@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from taskplatform import submit
+from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution
-from taskplatform.rescuer import run_rescuer
 from tests.helpers import event_kinds, state_of
 from tests.testapp.models import Effect, EffectRaw
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from taskplatform import submit
+from taskplatform.core.publisher import publish
 from taskplatform.models import Execution
-from taskplatform.publisher import publish
 from tests.helpers import event_kinds, race, state_of
 from tests.testapp.models import Effect, EffectRaw
 from tests.testapp.tasks import effect

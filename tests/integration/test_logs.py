@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from taskplatform import submit
-from taskplatform.logs import ExecutionContextFilter, JsonFormatter
+from taskplatform.core.publisher import HEADER_EXECUTION
 from taskplatform.models import Execution
-from taskplatform.publisher import HEADER_EXECUTION
+from taskplatform.observability.logs import ExecutionContextFilter, JsonFormatter
 from tests.helpers import state_of, wait_for
 from tests.testapp.tasks import log_line
 

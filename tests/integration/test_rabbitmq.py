@@ -7,7 +7,7 @@ import contextlib
 import pytest
 
 from taskplatform import submit
-from taskplatform.publisher import publish
+from taskplatform.core.publisher import publish
 from tests.conftest import require_service
 from tests.helpers import event_kinds, state_of
 from tests.testapp.models import Effect, EffectRaw

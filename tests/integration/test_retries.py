@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from taskplatform import submit
+from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, ExecutionEvent, JobDefinition
-from taskplatform.rescuer import run_rescuer
 from tests.helpers import event_kinds, state_of
 from tests.testapp.models import EffectRaw
 

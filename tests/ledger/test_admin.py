@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from taskplatform import ledger
+from taskplatform.core import ledger
 from taskplatform.models import Execution
 
 pytestmark = [pytest.mark.django_db]

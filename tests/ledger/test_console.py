@@ -13,10 +13,10 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from django.test import Client
 
-from taskplatform import ledger
 from taskplatform.backends import get_lock_backend
+from taskplatform.core import ledger
+from taskplatform.domain.states import State
 from taskplatform.models import Execution, ExecutionEvent, JobDefinition, OperatorAction
-from taskplatform.states import State
 
 pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
 

@@ -12,11 +12,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from taskplatform import ledger
+from taskplatform.core import ledger
+from taskplatform.core.rescuer import run_rescuer
+from taskplatform.domain.states import State
 from taskplatform.exceptions import IllegalTransitionError, LedgerError, StaleExecutionError
 from taskplatform.models import EventKind, Execution, ExecutionEvent
-from taskplatform.rescuer import run_rescuer
-from taskplatform.states import State
 from tests.helpers import race
 
 pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]

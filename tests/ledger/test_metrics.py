@@ -12,9 +12,9 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from taskplatform import submit
-from taskplatform.metrics import first_event_id_since
+from taskplatform.core.publisher import HEADER_EXECUTION
 from taskplatform.models import BeatProcess, Execution, ExecutionEvent, JobDefinition, SchedulerFence
-from taskplatform.publisher import HEADER_EXECUTION
+from taskplatform.observability.metrics import first_event_id_since
 from tests.testapp.tasks import effect, fatal
 
 pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]

@@ -109,7 +109,10 @@ def test_a_far_eta_is_parked_in_the_ledger_instead_of_the_broker():
 
 
 def test_job_definition_validation_names_each_bad_field():
+    """The jobs service validates a definition whole: the model's checks and the task registry's."""
     from django.core.exceptions import ValidationError
+
+    from taskplatform import jobs
 
     job = JobDefinition(
         slug="bad",
@@ -122,7 +125,7 @@ def test_job_definition_validation_names_each_bad_field():
         backoff_max_seconds=1,
     )
     with pytest.raises(ValidationError) as info:
-        job.full_clean()
+        jobs.validate(job)
     errors = info.value.message_dict
     assert "unknown task" in errors["task"][0]
     assert "args must be a list" in errors["args"][0]

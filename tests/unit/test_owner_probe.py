@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from taskplatform.tasks import _owner_alive_on, _process_alive
+from taskplatform.worker.owner import owner_alive_on, process_alive
 from tests.helpers import wait_for
 
 
@@ -18,14 +18,14 @@ def test_a_zombie_counts_as_dead_like_a_reaped_process():
     child = subprocess.Popen(["true"])
     # Exited but not reaped: what a killed pool child is until billiard notices.
     wait_for(lambda: _state(child.pid) == "Z", timeout=5, what="zombie")
-    assert _process_alive(child.pid) is False
+    assert process_alive(child.pid) is False
     child.wait()
-    assert _process_alive(child.pid) is False
-    assert _process_alive(os.getpid()) is True
+    assert process_alive(child.pid) is False
+    assert process_alive(os.getpid()) is True
 
 
 def test_only_owners_on_this_node_can_be_judged():
-    probe = _owner_alive_on("w1@host")
+    probe = owner_alive_on("w1@host")
     child = subprocess.Popen(["true"])
     child.wait()
     assert probe(f"w1@host:{child.pid}") is False

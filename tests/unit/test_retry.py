@@ -5,7 +5,7 @@ import random
 import pytest
 
 from taskplatform.exceptions import ConfigurationError
-from taskplatform.retry import RetryPolicy, backoff_cap, resolve_error_classes
+from taskplatform.worker.retry import RetryPolicy, backoff_cap, resolve_error_classes
 
 
 class Transient(Exception):

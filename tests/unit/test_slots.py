@@ -25,7 +25,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from taskplatform.exceptions import ConfigurationError
-from taskplatform.slots import (
+from taskplatform.scheduling.slots import (
     EPOCH,
     Bounded,
     Clocked,

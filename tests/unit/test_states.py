@@ -2,8 +2,7 @@
 
 import pytest
 
-from taskplatform.exceptions import IllegalTransitionError
-from taskplatform.states import (
+from taskplatform.domain.states import (
     TERMINAL_STATES,
     TRANSITIONS,
     Actor,
@@ -11,10 +10,11 @@ from taskplatform.states import (
     find_transition,
     operator_targets,
 )
+from taskplatform.exceptions import IllegalTransitionError
 
 
 def test_every_state_is_documented_and_reachable():
-    from taskplatform.states import STATE_DOCS
+    from taskplatform.domain.states import STATE_DOCS
 
     assert set(STATE_DOCS) == set(State)
     reachable = {State.PENDING} | {tr.target for tr in TRANSITIONS}

@@ -6,8 +6,8 @@ import math
 import pytest
 from django.test import override_settings
 
+from taskplatform.core.validation import check_idempotency_key, encode_arguments, encode_result
 from taskplatform.exceptions import InvalidArgumentsError, InvalidIdempotencyKeyError, PayloadTooLargeError
-from taskplatform.validation import check_idempotency_key, encode_arguments, encode_result
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,15 @@
 Public entry points (imported lazily so that importing the package never loads Django
 models before the app registry is ready):
 
-* ``taskplatform.submit`` — record an execution and publish it after commit;
+* ``taskplatform.submit`` / ``submit_or_get`` — record an execution and publish it after commit;
+* ``taskplatform.schedule_job`` — give a job definition its schedule (the ``jobs`` service);
 * ``taskplatform.tasks.IdempotentTask`` — the task base class;
+* ``taskplatform.beat.LockedScheduler`` — the value for ``CELERY_BEAT_SCHEDULER``;
+* ``taskplatform.backends.get_lock_backend`` — the plug-in lock backends;
 * ``taskplatform.exceptions`` — the error hierarchy.
+
+The package is layered; ``docs/architecture.md`` draws the layers and says where new code
+goes, and ``make test`` checks the import rules with import-linter.
 """
 
 from __future__ import annotations

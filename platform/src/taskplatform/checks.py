@@ -7,7 +7,10 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning, register
 
+from .backends import backend_config, build_backend
 from .conf import platform_settings
+from .exceptions import TaskPlatformError
+from .scheduling.config import configuration_problems
 
 
 def _celery_conf() -> Any:
@@ -115,9 +118,6 @@ def check_celery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 @register("taskplatform")
 def check_lock_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Every configured lock backend imports, builds and accepts its options."""
-    from .backends import backend_config, build_backend
-    from .exceptions import TaskPlatformError
-
     aliases = set(platform_settings().lock_backends or {}) | {"default"}
     errors: list[CheckMessage] = []
     for alias in sorted(aliases):
@@ -138,8 +138,6 @@ def check_lock_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
 @register("taskplatform")
 def check_beat(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """The beat's lease, tick, step-down and sync timings fit together (LockedScheduler refuses them too)."""
-    from .beat import configuration_problems
-
     errors: list[CheckMessage] = [Error(p, id="taskplatform.E030") for p in configuration_problems(platform_settings())]
     conf = platform_settings()
     failover = conf.beat_lease_seconds + conf.beat_tick_seconds

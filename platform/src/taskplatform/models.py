@@ -1,8 +1,12 @@
 """Job definitions and the execution ledger.
 
-Rows of ``Execution`` and ``ExecutionEvent`` are written only by ``taskplatform.ledger``;
-everything else (tasks, the rescuer, the admin, views) goes through it. The models here hold
-data and validation, not behaviour that changes state.
+Rows of ``Execution`` and ``ExecutionEvent`` are written only by ``core.ledger``, and
+``JobDefinition`` rows only by the ``jobs`` service; everything else (tasks, the rescuer, the
+admin, views) goes through them. The models here hold data and the checks of how their
+fields fit together, not behaviour that changes state.
+
+May import: ``domain``, ``conf``, ``exceptions`` and Django. Never Celery or a lock backend
+(an import-linter contract keeps it so).
 """
 
 from __future__ import annotations
@@ -13,9 +17,8 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
-from .exceptions import ConfigurationError, SubmissionError
-from .slots import MisfirePolicy
-from .states import State
+from .domain.policies import MisfirePolicy
+from .domain.states import TERMINAL_STATES, State
 
 
 class Trigger(models.TextChoices):
@@ -140,28 +143,13 @@ class JobDefinition(models.Model):
         return self.slug
 
     def clean(self) -> None:
-        """Refuse a definition that could not run: unknown task, bad JSON, bad classes, bad limits."""
-        from .retry import resolve_error_classes
-        from .validation import encode_arguments, resolve_task
-
+        """Refuse fields that do not fit together. The task and its arguments are checked
+        against the task registry by ``jobs.validate`` (the model never loads Celery)."""
         errors: dict[str, Any] = {}
-        try:
-            resolve_task(self.task)
-        except SubmissionError as exc:
-            errors["task"] = str(exc)
-        try:
-            encode_arguments(self.args, self.kwargs)
-        except SubmissionError as exc:
-            errors["args"] = str(exc)
         for field in ("retry_on", "fatal_errors"):
             value = getattr(self, field)
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 errors[field] = "a JSON list of dotted exception class paths"
-                continue
-            try:
-                resolve_error_classes(value)
-            except ConfigurationError as exc:
-                errors[field] = str(exc)
         if (
             self.soft_time_limit_seconds
             and self.time_limit_seconds
@@ -237,8 +225,6 @@ class Execution(models.Model):
 
     @property
     def is_terminal(self) -> bool:
-        from .states import TERMINAL_STATES
-
         return self.state in TERMINAL_STATES
 
 

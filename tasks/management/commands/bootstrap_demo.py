@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from taskplatform import schedule_job
+from taskplatform.jobs import define_job
 from taskplatform.models import JobDefinition
 
 
@@ -25,22 +25,22 @@ class Command(BaseCommand):
             user_model.objects.create_superuser("admin", "admin@example.invalid", password)
             credentials.write_text(f"username: admin\npassword: {password}\n")
             credentials.chmod(0o600)
-        ping, _ = JobDefinition.objects.get_or_create(
-            slug="demo-ping",
-            defaults={"task": "tasks.ping", "args": ["beat"], "description": "Demo: a job that always works."},
-        )
-        flaky, _ = JobDefinition.objects.get_or_create(
-            slug="demo-flaky-sync",
-            defaults={
-                "task": "tasks.flaky_sync",
-                "kwargs": {"failure_rate": 0.6},
-                "max_attempts": 3,
-                "description": "Demo: fails 60 % of the time; retries with backoff, then dead-letters.",
-            },
-        )
-        if ping.periodic_task_id is None:
-            schedule_job(ping, every_seconds=15)
-        if flaky.periodic_task_id is None:
-            schedule_job(flaky, cron="* * * * *", timezone_name="Europe/Berlin")
+        if not JobDefinition.objects.filter(slug="demo-ping").exists():
+            define_job(
+                "demo-ping",
+                task="tasks.ping",
+                args=["beat"],
+                description="Demo: a job that always works.",
+                schedule={"every_seconds": 15},
+            )
+        if not JobDefinition.objects.filter(slug="demo-flaky-sync").exists():
+            define_job(
+                "demo-flaky-sync",
+                task="tasks.flaky_sync",
+                kwargs={"failure_rate": 0.6},
+                max_attempts=3,
+                description="Demo: fails 60 % of the time; retries with backoff, then dead-letters.",
+                schedule={"cron": "* * * * *", "timezone_name": "Europe/Berlin"},
+            )
         call_command("setup_reference_jobs", stdout=self.stdout)
         self.stdout.write(credentials.read_text() if credentials.exists() else "admin user exists\n")

@@ -11,8 +11,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from taskplatform import schedule_job
-from taskplatform.models import JobDefinition
+from taskplatform.jobs import define_job
 
 JOBS: list[dict[str, Any]] = [
     {
@@ -52,7 +51,6 @@ class Command(BaseCommand):
             slug = spec.pop("slug")
             if slug == "inventory-sync":
                 spec["enabled"] = bool(getattr(settings, "INVENTORY_SERVICE_URL", ""))
-            job, created = JobDefinition.objects.get_or_create(slug=slug, defaults=spec)
-            schedule_job(job, **schedule)
+            job, created = define_job(slug, schedule=schedule, **spec)
             state = "created" if created else "kept"
             self.stdout.write(f"{slug}: {state}, {'enabled' if job.enabled else 'paused'}")

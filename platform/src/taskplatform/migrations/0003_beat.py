@@ -2,7 +2,7 @@
 
 import django.core.validators
 import django.db.models.deletion
-import taskplatform.slots
+import taskplatform.domain.policies
 from django.db import migrations, models
 
 
@@ -64,7 +64,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='jobdefinition',
             name='misfire_policy',
-            field=models.CharField(choices=[('skip', 'skip'), ('run_once', 'run_once'), ('catch_up', 'catch_up')], default=taskplatform.slots.MisfirePolicy['RUN_ONCE'], help_text='Slots missed while no beat ran: skip them, run once for the window, or catch up each.', max_length=16),
+            field=models.CharField(choices=[('skip', 'skip'), ('run_once', 'run_once'), ('catch_up', 'catch_up')], default=taskplatform.domain.policies.MisfirePolicy['RUN_ONCE'], help_text='Slots missed while no beat ran: skip them, run once for the window, or catch up each.', max_length=16),
         ),
         migrations.AddField(
             model_name='jobdefinition',

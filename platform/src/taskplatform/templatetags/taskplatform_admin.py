@@ -1,4 +1,4 @@
-"""``{% taskplatform_overview %}``: the console's landing section (``overview.py``)."""
+"""``{% taskplatform_overview %}``: the console's landing section (``console.overview``)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from typing import Any
 
 from django import template
 
+from ..console.overview import context
+
 register = template.Library()
 
 
 @register.inclusion_tag("admin/taskplatform/overview.html")
 def taskplatform_overview() -> dict[str, Any]:
-    from ..overview import context
-
     return context()

@@ -10,9 +10,12 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import Count
 from django.utils import timezone
 
-from ...models import Execution
-from ...rescuer import run_rescuer
-from ...states import STATE_DOCS, TRANSITIONS, State
+from ...backends import get_lock_backend
+from ...conf import platform_settings
+from ...core.rescuer import run_rescuer
+from ...domain.states import STATE_DOCS, TRANSITIONS, State
+from ...models import BeatProcess, Execution, SchedulerFence
+from ...scheduling.table import ScheduleTable
 
 
 class Command(BaseCommand):
@@ -70,11 +73,6 @@ def states_markdown() -> str:
 def beat_status(now: datetime) -> dict[str, Any]:
     """Who leads the beat (as the lock backend and the fence say), who follows, what is due."""
     from celery import current_app
-
-    from ...backends import get_lock_backend
-    from ...beat import ScheduleTable
-    from ...conf import platform_settings
-    from ...models import BeatProcess, SchedulerFence
 
     conf = platform_settings()
     lock: dict[str, Any] = {"name": conf.beat_lock_name, "backend": conf.beat_lock_alias}

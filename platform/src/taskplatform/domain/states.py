@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from django.db import models
 
-from .exceptions import IllegalTransitionError
+from ..exceptions import IllegalTransitionError
 
 
 class State(models.TextChoices):

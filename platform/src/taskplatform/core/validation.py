@@ -1,7 +1,10 @@
 """Validation at the edge: nothing invalid reaches the ledger or the broker.
 
-Used by ``submit()``, the job definition model and (later) the admin forms, so every entry
-point gives the same clear message for the same mistake.
+Used by ``submit()``, the jobs service and the console's job form, so every entry point
+gives the same clear message for the same mistake.
+
+A task counts as an ``IdempotentTask`` by its marker attribute (``IDEMPOTENT_MARKER``), not by
+``isinstance``: the core never imports the worker layer that defines the class.
 """
 
 from __future__ import annotations
@@ -10,8 +13,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .conf import platform_settings
-from .exceptions import (
+from ..conf import platform_settings
+from ..exceptions import (
     InvalidArgumentsError,
     InvalidIdempotencyKeyError,
     NotIdempotentTaskError,
@@ -22,7 +25,14 @@ from .exceptions import (
 if TYPE_CHECKING:
     from celery import Task
 
-    from .tasks import IdempotentTask
+#: Class attribute set (True) on ``worker.task.IdempotentTask``: how the core and the beat
+#: recognise a task that runs under the ledger without importing the worker layer.
+IDEMPOTENT_MARKER = "taskplatform_idempotent"
+
+
+def is_idempotent(task: object) -> bool:
+    """True for an ``IdempotentTask`` (a task that claims its ledger row before running)."""
+    return getattr(task, IDEMPOTENT_MARKER, False) is True
 
 
 def registered_task(name: str) -> Task | None:
@@ -36,10 +46,8 @@ def registered_task(name: str) -> Task | None:
     return current_app.tasks.get(name)
 
 
-def resolve_task(task_or_name: Task | str) -> IdempotentTask:
+def resolve_task(task_or_name: Task | str) -> Any:
     """The registered ``IdempotentTask`` for a task object or name, or a clear error."""
-    from .tasks import IdempotentTask
-
     name = task_or_name if isinstance(task_or_name, str) else getattr(task_or_name, "name", None)
     if not isinstance(name, str) or not name:
         raise UnknownTaskError(f"not a task or task name: {task_or_name!r}")
@@ -50,7 +58,7 @@ def resolve_task(task_or_name: Task | str) -> IdempotentTask:
             f"(is its module imported, e.g. listed in an installed app's tasks.py?)",
             task=name,
         )
-    if not isinstance(task, IdempotentTask):
+    if not is_idempotent(task):
         raise NotIdempotentTaskError(
             f"task {name!r} does not use taskplatform.tasks.IdempotentTask as its base; "
             f"declare it with @shared_task(base=IdempotentTask, bind=True)",

@@ -25,10 +25,10 @@ from django.db.models import Count, ExpressionWrapper, F, fields
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
-from .conf import platform_settings
-from .exceptions import MissingDependencyError
-from .models import BeatProcess, Execution, ExecutionEvent, SchedulerFence
-from .states import State
+from ..conf import platform_settings
+from ..domain.states import State
+from ..exceptions import MissingDependencyError
+from ..models import BeatProcess, EventKind, Execution, ExecutionEvent, SchedulerFence
 
 
 def first_event_id_since(moment: datetime) -> int | None:
@@ -105,8 +105,6 @@ class LedgerCollector:
         if start is not None:
             rows = ExecutionEvent.objects.filter(id__gte=start).values("kind").annotate(n=Count("id")).order_by()
             seen = {row["kind"]: row["n"] for row in rows}
-        from .models import EventKind
-
         for kind in EventKind:
             events.add_metric([kind.value], seen.get(kind.value, 0))
         yield events

@@ -18,9 +18,11 @@ from django.contrib.admin.widgets import AdminSplitDateTime
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
-from .exceptions import ConfigurationError
-from .models import JobDefinition
-from .slots import PERIOD_SECONDS, Clocked, Interval, Schedule, parse_cron
+from .. import jobs
+from ..core.validation import is_idempotent
+from ..exceptions import ConfigurationError
+from ..models import JobDefinition
+from ..scheduling.slots import PERIOD_SECONDS, Clocked, Interval, Schedule, parse_cron
 
 SCHEDULE_KINDS = [
     ("none", "No schedule (run on demand only)"),
@@ -41,10 +43,8 @@ def task_choices() -> list[tuple[str, str]]:
     """Every registered ``IdempotentTask`` (the ones the ledger can run), by name."""
     from celery import current_app
 
-    from .tasks import IdempotentTask
-
     current_app.loader.import_default_modules()
-    names = sorted(name for name, task in current_app.tasks.items() if isinstance(task, IdempotentTask) and "." in name)
+    names = sorted(name for name, task in current_app.tasks.items() if is_idempotent(task) and "." in name)
     return [(n, n) for n in names]
 
 
@@ -175,6 +175,18 @@ class JobDefinitionForm(forms.ModelForm):
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
+        # The jobs service's checks: the task must be a registered IdempotentTask, the
+        # arguments plain JSON within the size limit, the error classes importable.
+        probe = JobDefinition(
+            task=data.get("task") or "",
+            args=data.get("args", []),
+            kwargs=data.get("kwargs", {}),
+            retry_on=data.get("retry_on") or [],
+            fatal_errors=data.get("fatal_errors") or [],
+        )
+        for name, message in jobs.definition_errors(probe).items():
+            if name in self.fields and name not in self.errors:
+                self.add_error(name, message)
         kind = data.get("schedule_kind") or "none"
         field = {"cron": "cron", "interval": "every_seconds", "once": "run_at"}.get(kind)
         try:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import transaction
 
 if TYPE_CHECKING:
-    from .models import Execution
+    from ..models import Execution
 
 log = logging.getLogger("taskplatform.publisher")
 

@@ -15,35 +15,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any
 
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from . import fastpath
-from .conf import platform_settings
-from .exceptions import ExecutionNotFound, IllegalTransitionError, LedgerError, StaleExecutionError
-from .models import EventKind, Execution, ExecutionEvent, JobDefinition, Trigger
-from .states import CLAIMABLE_STATES, TERMINAL_STATES, Actor, State, find_transition
+from ..conf import platform_settings
+from ..domain.states import CLAIMABLE_STATES, TERMINAL_STATES, Actor, State, find_transition
+from ..exceptions import ExecutionNotFound, IllegalTransitionError, LedgerError, StaleExecutionError
+from ..models import EventKind, Execution, ExecutionEvent, JobDefinition
+from . import _pg as fastpath
+from .publisher import new_task_id, publish_on_commit
+from .types import Claim, Delivery, NewExecution
+
+__all__ = ["Claim", "Delivery", "NewExecution"]
 
 log = logging.getLogger("taskplatform.ledger")
-
-ClaimOutcome = Literal["claimed", "duplicate", "finished", "exhausted"]
-
-
-@dataclass
-class Claim:
-    """The result of a claim attempt. ``execution`` reflects the row after the claim."""
-
-    outcome: ClaimOutcome
-    execution: Execution
-    lease_seconds: int = 0
-
-    @property
-    def token(self) -> int:
-        return self.execution.fencing_token
 
 
 def _event(
@@ -96,41 +84,6 @@ def get(execution_id: int) -> Execution:
         raise ExecutionNotFound(f"no execution with id {execution_id}", execution_id=execution_id) from None
 
 
-@dataclass(frozen=True)
-class NewExecution:
-    """What ``create`` records for a new execution."""
-
-    idempotency_key: str
-    task_name: str
-    args: list[Any]
-    kwargs: dict[str, Any]
-    trigger: str = Trigger.API
-    job: JobDefinition | None = None
-    queue: str = ""
-    priority: int | None = None
-    scheduled_for: datetime | None = None
-    due_at: datetime | None = None
-    celery_task_id: str = ""
-    publish_count: int = 0
-
-    def build(self) -> Execution:
-        return Execution(
-            idempotency_key=self.idempotency_key,
-            task_name=self.task_name,
-            args=self.args,
-            kwargs=self.kwargs,
-            trigger=self.trigger,
-            job=self.job,
-            queue=self.queue,
-            priority=self.priority,
-            scheduled_for=self.scheduled_for,
-            due_at=self.due_at,
-            celery_task_id=self.celery_task_id,
-            publish_count=self.publish_count,
-            state=State.PENDING,
-        )
-
-
 def create(spec: NewExecution) -> tuple[Execution, bool]:
     """Insert the execution, or return the one that already holds the key.
 
@@ -173,18 +126,6 @@ def ensure(spec: NewExecution) -> Execution:
 
 
 # --- the worker's side: claim, heartbeat, outcome ---------------------------------------------
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """One message as a worker received it: which execution, by whom, with what arguments."""
-
-    execution_id: int
-    task_name: str
-    args: list[Any]
-    kwargs: dict[str, Any]
-    worker: str  # "<celery nodename>:<pid>"
-    celery_task_id: str
 
 
 def claim_message(
@@ -409,8 +350,6 @@ def schedule_retry(
     due, because the Redis transport re-delivers long countdowns after its visibility
     timeout (kombu#337). Returns False (and changes nothing) if ``token`` is stale.
     """
-    from .publisher import new_task_id, publish_on_commit
-
     conf = platform_settings()
     now = timezone.now()
     eta = now + timedelta(seconds=delay_seconds)
@@ -536,8 +475,6 @@ def rescue_expired(execution: Execution, *, max_attempts: int, now: datetime) ->
 
 def republish_due(execution: Execution, *, now: datetime) -> bool:
     """Publish a ``PENDING``/``RETRYING`` row whose ``due_at`` passed without a claim."""
-    from .publisher import new_task_id, publish_on_commit
-
     if execution.state not in CLAIMABLE_STATES:
         return False
     count = execution.publish_count + 1
@@ -588,8 +525,6 @@ def operator_transition(
     saw; if the row moved since, nothing changes (so the same form submitted twice acts once,
     even if the row went through another attempt and came back to the same state).
     """
-    from .publisher import new_task_id, publish_on_commit
-
     if not reason or not reason.strip():
         raise LedgerError("a reason is required for an operator action")
     execution = get(execution_id)

@@ -1,25 +1,28 @@
-"""The operator console's actions, independent of the admin that offers them.
+"""The operator console's interventions on executions and locks, independent of the admin.
 
-Every action checks legality against the transitions table (``states.py``), needs a reason,
+Every action checks legality against the transitions table (``domain.states``), needs a reason,
 and leaves an audit record: an ``ExecutionEvent`` of kind ``operator`` for an execution, an
 ``OperatorAction`` row for anything else. An action on an execution names the state the
 operator saw (``expected_state``): if the row moved since, nothing changes, so the same form
 submitted twice acts once. Illegal requests raise ``IllegalTransitionError`` and change
-nothing.
+nothing. Job definitions (pause, resume, duplicate, edit) are changed through the ``jobs``
+service.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from django.db import transaction
 
-from . import ledger
-from .exceptions import IllegalTransitionError, LedgerError, TaskPlatformError
-from .models import Execution, JobDefinition, OperatorAction, Trigger
-from .states import State
+from ..backends import get_lock_backend
+from ..core import ledger
+from ..core.audit import audit
+from ..core.submission import submit_or_get
+from ..domain.states import State
+from ..exceptions import IllegalTransitionError, LedgerError
+from ..models import Execution, JobDefinition, Trigger
 
 log = logging.getLogger("taskplatform.console")
 
@@ -96,23 +99,8 @@ def _revoke(execution: Execution, *, running: bool) -> None:
         log.warning("revoke of %s failed: %s", execution.celery_task_id, exc, extra={"execution_id": execution.pk})
 
 
-def audit(user: str, action: str, target: str, reason: str = "", **data: Any) -> OperatorAction:
-    return OperatorAction.objects.create(user=user, action=action, target=target, reason=reason, data=data)
-
-
-def set_job_enabled(job: JobDefinition, enabled: bool, *, user: str, reason: str) -> bool:
-    """Pause or resume a job; False if it already was (nothing recorded)."""
-    with transaction.atomic():
-        changed = JobDefinition.objects.filter(pk=job.pk, enabled=not enabled).update(enabled=enabled)
-        if changed:
-            audit(user, "resume_job" if enabled else "pause_job", f"job:{job.slug}", reason)
-    return bool(changed)
-
-
 def run_job_now(job: JobDefinition, *, user: str, request_token: str, reason: str = "") -> tuple[Execution, bool]:
     """Submit ``job`` now, keyed by the confirmation form's token: a double click runs it once."""
-    from .api import submit_or_get
-
     key = f"{job.slug}@admin:{request_token}"
     with transaction.atomic():
         execution, created = submit_or_get(job, idempotency_key=key, trigger=Trigger.ADMIN)
@@ -121,29 +109,12 @@ def run_job_now(job: JobDefinition, *, user: str, request_token: str, reason: st
     return execution, created
 
 
-def duplicate_job(job: JobDefinition, *, user: str, new_slug: str) -> JobDefinition:
-    """A paused copy of ``job`` without its schedule (give the copy one deliberately)."""
-    if JobDefinition.objects.filter(slug=new_slug).exists():
-        raise TaskPlatformError(f"a job {new_slug!r} exists already")
-    with transaction.atomic():
-        copy = JobDefinition.objects.get(pk=job.pk)
-        copy.pk = None
-        copy.slug = new_slug
-        copy.enabled = False
-        copy.periodic_task = None
-        copy.save()
-        audit(user, "duplicate_job", f"job:{job.slug}", copy=new_slug)
-    return copy
-
-
 def force_release_lock(alias: str, name: str, *, user: str, reason: str, expected_owner: str | None = None) -> bool:
     """Free a lock whoever holds it (a stuck beat lease, say); audited. True if it was held.
 
     ``expected_owner``: the holder the operator saw; if another process holds the lock by
     now, nothing is released (a resubmitted form must not free a healthy new holder).
     """
-    from .backends import get_lock_backend
-
     if not reason or not reason.strip():
         raise LedgerError("a reason is required to force-release a lock")
     backend = get_lock_backend(alias)

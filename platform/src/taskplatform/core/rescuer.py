@@ -1,6 +1,6 @@
 """The rescuer: the periodic duty that keeps guarantee G1 (no lost trigger) and G6.
 
-One pass does three things, each bounded by ``TASKPLATFORM_RESCUE_BATCH_SIZE``:
+One pass does two things, each bounded by ``TASKPLATFORM_RESCUE_BATCH_SIZE``:
 
 1. ``RUNNING`` rows whose lease expired (worker killed, OOM, machine lost, process paused)
    are re-queued as a new attempt, or dead-lettered when attempts are exhausted.
@@ -10,7 +10,7 @@ One pass does three things, each bounded by ``TASKPLATFORM_RESCUE_BATCH_SIZE``:
    backs off (``republish_after_seconds``, doubling) so a long queue is not multiplied, and
    a claim absorbs any extra copy.
 
-The beat leader runs it (see ``taskplatform.beat``); ``python manage.py taskplatform rescue``
+The beat leader runs it (``scheduling.maintenance``); ``python manage.py taskplatform rescue``
 and the ``taskplatform.rescue`` Celery task run the same function.
 """
 
@@ -22,10 +22,12 @@ from datetime import datetime
 
 from django.utils import timezone
 
+from ..conf import platform_settings
+from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP
+from ..domain.states import State
+from ..models import Execution
 from . import ledger
-from .conf import platform_settings
-from .models import Execution
-from .states import State
+from .validation import is_idempotent, registered_task
 
 log = logging.getLogger("taskplatform.rescuer")
 
@@ -43,12 +45,10 @@ class RescueReport:
 
 
 def _max_attempts(execution: Execution) -> int:
-    from .tasks import UNBOUNDED_ATTEMPTS_CAP, IdempotentTask
-    from .validation import registered_task
-
+    """The attempts budget of ``execution``: its task's retry policy with the job's overrides."""
     task = registered_task(execution.task_name)
-    if isinstance(task, IdempotentTask):
-        return task.retry_policy(execution.job).max_attempts
+    if is_idempotent(task):
+        return int(task.retry_policy(execution.job).max_attempts)  # type: ignore[union-attr]
     if execution.job is not None and execution.job.max_attempts:
         return execution.job.max_attempts
     return UNBOUNDED_ATTEMPTS_CAP

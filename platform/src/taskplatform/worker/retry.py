@@ -9,14 +9,14 @@ platform adds is that the numbers can be overridden per job and are read at run 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from celery.utils.time import get_exponential_backoff_interval
-from django.utils.module_loading import import_string
 
-from .exceptions import ConfigurationError
+from ..domain.policies import resolve_error_classes
+
+__all__ = ["RetryPolicy", "backoff_cap", "resolve_error_classes"]
 
 
 @dataclass(frozen=True)
@@ -79,17 +79,3 @@ def backoff_cap(base_seconds: int, max_seconds: int, attempt: int) -> int:
     [1, 2, 4, 8, 10, 10]
     """
     return max(0, min(max_seconds, base_seconds * (2 ** (attempt - 1))))
-
-
-def resolve_error_classes(paths: Iterable[str]) -> tuple[type[BaseException], ...]:
-    """Import dotted exception class paths (as stored on a job definition)."""
-    classes: list[type[BaseException]] = []
-    for path in paths:
-        try:
-            obj: Any = import_string(path)
-        except ImportError as exc:
-            raise ConfigurationError(f"error class {path!r} cannot be imported: {exc}") from exc
-        if not (isinstance(obj, type) and issubclass(obj, BaseException)):
-            raise ConfigurationError(f"{path!r} is not an exception class")
-        classes.append(obj)
-    return tuple(classes)

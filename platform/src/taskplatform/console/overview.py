@@ -1,7 +1,9 @@
 """The console's landing section: counts per state, dead letters, stuck work, a 24-hour chart.
 
-The chart is an inline SVG drawn here (no JavaScript, no external resource): executions
-finished per hour, succeeded and failed, and retries scheduled per hour, for the last 24 hours.
+The chart is an inline SVG (no JavaScript, no external resource): executions finished per
+hour, succeeded and failed, and retries scheduled per hour, for the last 24 hours. This module
+computes its geometry; ``templates/admin/taskplatform/chart.svg.html`` draws it and the
+console's stylesheet colours it for the admin's light and dark themes.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ from typing import Any
 from django.db.models import Count, Q
 from django.db.models.functions import TruncHour
 from django.utils import timezone
-from django.utils.html import escape
-from django.utils.safestring import SafeString, mark_safe
 
-from .metrics import first_event_id_since
-from .models import Execution, ExecutionEvent
-from .states import State
+from ..domain.states import State
+from ..models import Execution, ExecutionEvent
+from ..observability.metrics import first_event_id_since
 
-SERIES = (("succeeded", "#198754"), ("failed", "#dc3545"), ("retried", "#fd7e14"))
+#: The chart's series, in drawing order (each coloured by the ``tp-series-<name>`` CSS class).
+SERIES = ("succeeded", "failed", "retried")
 
 
 @dataclass
@@ -32,8 +33,8 @@ class Overview:
     series: dict[str, list[int]] = field(default_factory=dict)
 
     @property
-    def chart(self) -> SafeString:
-        return render_chart(self.hours, self.series)
+    def chart(self) -> dict[str, Any]:
+        return chart_geometry(self.hours, self.series)
 
 
 def _hour(value: datetime) -> datetime:
@@ -51,7 +52,7 @@ def overview(now: datetime | None = None) -> Overview:
     first = _hour(now) - timedelta(hours=23)
     hours = [first + timedelta(hours=i) for i in range(24)]
     index = {h: i for i, h in enumerate(hours)}
-    series = {name: [0] * 24 for name, _ in SERIES}
+    series = {name: [0] * 24 for name in SERIES}
     finished = (
         Execution.objects.filter(finished_at__gte=first, state__in=(State.SUCCEEDED, State.FAILED))
         .annotate(hour=TruncHour("finished_at"))
@@ -79,37 +80,48 @@ def overview(now: datetime | None = None) -> Overview:
     return Overview(counts=counts, dead_letters=counts[State.FAILED.value], stuck=stuck, hours=hours, series=series)
 
 
-def render_chart(hours: list[datetime], series: dict[str, list[int]]) -> SafeString:
+def chart_geometry(hours: list[datetime], series: dict[str, list[int]]) -> dict[str, Any]:
     """Grouped bars per hour, a y axis with its maximum, hour labels every 3 hours, a legend."""
     width, height, left, bottom, top = 760, 200, 40, 24, 16
     plot_w, plot_h = width - left - 10, height - bottom - top
     peak = max([1, *(v for values in series.values() for v in values)])
     group = plot_w / max(1, len(hours))
     bar = max(1.0, (group - 4) / len(SERIES))
-    parts: list[str] = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" id="tp-chart" role="img" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" aria-label="executions per hour, last 24 hours">',
-        f'<line x1="{left}" y1="{top + plot_h}" x2="{width - 10}" y2="{top + plot_h}" stroke="#999"/>',
-        f'<text x="{left - 6}" y="{top + 4}" font-size="10" text-anchor="end">{peak}</text>',
-        f'<text x="{left - 6}" y="{top + plot_h}" font-size="10" text-anchor="end">0</text>',
-    ]
+    bars, ticks = [], []
     for i, hour in enumerate(hours):
         x0 = left + i * group + 2
-        for j, (name, colour) in enumerate(SERIES):
+        for j, name in enumerate(SERIES):
             value = series[name][i]
             h = plot_h * value / peak
-            parts.append(
-                f'<rect x="{x0 + j * bar:.1f}" y="{top + plot_h - h:.1f}" width="{bar:.1f}" height="{h:.1f}" '
-                f'fill="{colour}"><title>{escape(hour.strftime("%H:00"))} {name}: {value}</title></rect>'
+            bars.append(
+                {
+                    "series": name,
+                    "x": f"{x0 + j * bar:.1f}",
+                    "y": f"{top + plot_h - h:.1f}",
+                    "width": f"{bar:.1f}",
+                    "height": f"{h:.1f}",
+                    "hour": hour.strftime("%H:00"),
+                    "value": value,
+                }
             )
         if i % 3 == 0:
-            parts.append(f'<text x="{x0:.1f}" y="{height - 8}" font-size="10">{escape(hour.strftime("%H:00"))}</text>')
-    for j, (name, colour) in enumerate(SERIES):
-        x = left + j * 110
-        parts.append(f'<rect x="{x}" y="0" width="10" height="10" fill="{colour}"/>')
-        parts.append(f'<text x="{x + 14}" y="9" font-size="11">{name}</text>')
-    parts.append("</svg>")
-    return mark_safe("".join(parts))
+            ticks.append({"x": f"{x0:.1f}", "label": hour.strftime("%H:00")})
+    return {
+        "width": width,
+        "height": height,
+        "left": left,
+        "right": width - 10,
+        "baseline": top + plot_h,
+        "label_x": left - 6,
+        "peak": peak,
+        "peak_y": top + 4,
+        "tick_y": height - 8,
+        "bars": bars,
+        "ticks": ticks,
+        "legend": [
+            {"series": name, "x": left + j * 110, "text_x": left + j * 110 + 14} for j, name in enumerate(SERIES)
+        ],
+    }
 
 
 def context() -> dict[str, Any]:

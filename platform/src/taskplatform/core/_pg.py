@@ -8,7 +8,7 @@ the compare-and-set matched. Semantics are identical; the portable path still ha
 every case these do not (retries, takeovers, duplicates, other databases), and the ledger
 test suite runs both (PostgreSQL here, SQLite and MariaDB there).
 
-Private to ``ledger``: nothing else calls these.
+Private to ``core.ledger`` (an import-linter contract keeps it so).
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import connection
 from django.db.models import Field
 
-from .models import Execution, ExecutionEvent
-from .states import State
-
-if TYPE_CHECKING:
-    from .ledger import Delivery
+from ..domain.states import State
+from ..models import Execution, ExecutionEvent
+from .types import Delivery
 
 
 def enabled() -> bool:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from django.db import DatabaseError, connection
 
+from . import ledger
+
 log = logging.getLogger("taskplatform.heartbeat")
 
 
@@ -76,8 +78,6 @@ class LeaseKeeper:
             self._thread.start()
 
     def _run(self) -> None:
-        from . import ledger
-
         while True:
             with self._cond:
                 now = time.monotonic()

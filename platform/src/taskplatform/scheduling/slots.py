@@ -28,7 +28,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from enum import StrEnum
 from itertools import islice
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -36,19 +35,12 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from celery.schedules import ParseException
 from celery.schedules import crontab as celery_crontab
 
-from .exceptions import ConfigurationError
+from ..domain.policies import MisfirePolicy
+from ..exceptions import ConfigurationError
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: How far ahead a crontab search looks for its next matching day (covers ``0 0 29 2 *``).
 MAX_SEARCH_DAYS = 366 * 8 + 2
-
-
-class MisfirePolicy(StrEnum):
-    """What a job does with slots that were missed while no beat was publishing."""
-
-    SKIP = "skip"
-    RUN_ONCE = "run_once"
-    CATCH_UP = "catch_up"
 
 
 def slot_key(name: str, slot: datetime) -> str:

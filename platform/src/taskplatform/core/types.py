@@ -1,0 +1,76 @@
+"""The values the ledger trades in: what to create, what a worker received, what a claim gave.
+
+Plain dataclasses with no behaviour beyond building a model instance, so the ledger, its
+PostgreSQL statements and the worker can share them without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from ..domain.states import State
+from ..models import Execution, JobDefinition, Trigger
+
+ClaimOutcome = Literal["claimed", "duplicate", "finished", "exhausted"]
+
+
+@dataclass
+class Claim:
+    """The result of a claim attempt. ``execution`` reflects the row after the claim."""
+
+    outcome: ClaimOutcome
+    execution: Execution
+    lease_seconds: int = 0
+
+    @property
+    def token(self) -> int:
+        return self.execution.fencing_token
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One message as a worker received it: which execution, by whom, with what arguments."""
+
+    execution_id: int
+    task_name: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    worker: str  # the owner identity of this attempt (see worker.owner)
+    celery_task_id: str
+
+
+@dataclass(frozen=True)
+class NewExecution:
+    """What ``create`` records for a new execution."""
+
+    idempotency_key: str
+    task_name: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    trigger: str = Trigger.API
+    job: JobDefinition | None = None
+    queue: str = ""
+    priority: int | None = None
+    scheduled_for: datetime | None = None
+    due_at: datetime | None = None
+    celery_task_id: str = ""
+    publish_count: int = 0
+
+    def build(self) -> Execution:
+        return Execution(
+            idempotency_key=self.idempotency_key,
+            task_name=self.task_name,
+            args=self.args,
+            kwargs=self.kwargs,
+            trigger=self.trigger,
+            job=self.job,
+            queue=self.queue,
+            priority=self.priority,
+            scheduled_for=self.scheduled_for,
+            due_at=self.due_at,
+            celery_task_id=self.celery_task_id,
+            publish_count=self.publish_count,
+            state=State.PENDING,
+        )

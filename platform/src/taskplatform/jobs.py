@@ -1,0 +1,214 @@
+"""The jobs service: the only writer of ``JobDefinition`` rows and their schedule rows.
+
+A job's schedule lives in django-celery-beat's tables (a ``PeriodicTask`` named ``job:<slug>``
+that triggers ``taskplatform.trigger_job(slug)``, so a plain beat works too), linked to the
+job. The admin's job form, ``taskplatform.schedule_job()``, the reference deployment's set-up
+commands and the console's job actions all come here, so a job and its schedule are always
+written together, validated the same way, and every operator change is audited.
+
+May import: ``core`` (validation, audit), ``scheduling.slots`` (cron parsing), ``models``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.utils import timezone
+from django_celery_beat.models import ClockedSchedule, CrontabSchedule, IntervalSchedule, PeriodicTask
+
+from .core.audit import audit
+from .core.validation import encode_arguments, resolve_task
+from .domain.policies import resolve_error_classes
+from .exceptions import ConfigurationError, SubmissionError, TaskPlatformError
+from .models import JobDefinition
+from .scheduling.slots import parse_cron
+
+#: The task a job's django-celery-beat entry calls (``worker.builtins.trigger_job``).
+TRIGGER_TASK = "taskplatform.trigger_job"
+
+
+def definition_errors(job: JobDefinition) -> dict[str, str]:
+    """What would stop ``job`` from running, by field: task, arguments and error classes.
+
+    The model's own ``clean()`` checks how its fields fit together; this adds what needs
+    the task registry (an unknown task, a task that is not an ``IdempotentTask``).
+    """
+    errors: dict[str, str] = {}
+    try:
+        resolve_task(job.task)
+    except SubmissionError as exc:
+        errors["task"] = str(exc)
+    try:
+        encode_arguments(job.args, job.kwargs)
+    except SubmissionError as exc:
+        errors["args"] = str(exc)
+    for field in ("retry_on", "fatal_errors"):
+        value = getattr(job, field)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            try:
+                resolve_error_classes(value)
+            except ConfigurationError as exc:
+                errors[field] = str(exc)
+    return errors
+
+
+def validate(job: JobDefinition) -> None:
+    """Raise ``ValidationError`` naming every bad field of ``job`` (model checks included)."""
+    errors: dict[str, Any] = {}
+    try:
+        job.full_clean(validate_unique=False)
+    except ValidationError as exc:
+        errors.update(exc.message_dict)
+    for field, message in definition_errors(job).items():
+        errors.setdefault(field, [message])
+    if errors:
+        raise ValidationError(errors)
+
+
+def define_job(slug: str, *, schedule: dict[str, Any] | None = None, **fields: Any) -> tuple[JobDefinition, bool]:
+    """Create job ``slug`` from ``fields`` unless it exists (an existing one keeps its edits).
+
+    ``schedule`` (``schedule_job``'s keyword arguments) is written either way: it is what
+    deployment code owns. Returns ``(job, created)``. Invalid fields raise ``ValidationError``
+    and save nothing.
+    """
+    with transaction.atomic():
+        job = JobDefinition.objects.filter(slug=slug).first()
+        created = job is None
+        if job is None:
+            job = JobDefinition(slug=slug, **fields)
+            validate(job)
+            job.save()
+        if schedule is not None:
+            schedule_job(job, **schedule)
+    return job, created
+
+
+def save_job(job: JobDefinition, *, schedule: dict[str, Any] | None, user: str, enabled_changed: bool = False) -> None:
+    """Save ``job`` (already validated, e.g. by the console's form) with its schedule.
+
+    ``schedule`` is ``schedule_job``'s keyword arguments, or None to remove the schedule.
+    A change of ``enabled`` made in the form is audited like the pause and resume actions.
+    """
+    with transaction.atomic():
+        job.save()
+        if enabled_changed:
+            audit(user, "resume_job" if job.enabled else "pause_job", f"job:{job.slug}", "changed in the job form")
+        if schedule is not None:
+            schedule_job(job, **schedule)
+        else:
+            clear_schedule(job)
+
+
+def schedule_job(
+    job: JobDefinition,
+    *,
+    cron: str | None = None,
+    timezone_name: str = "UTC",
+    every_seconds: int | None = None,
+    start: datetime | None = None,
+    at: datetime | None = None,
+) -> PeriodicTask:
+    """Give ``job`` a schedule (exactly one of ``cron``, ``every_seconds``, ``at``).
+
+    The schedule lives in django-celery-beat's tables (a ``PeriodicTask`` named after the
+    job that triggers ``taskplatform.trigger_job(slug)``, so plain beat works too) and is
+    linked to the job. ``cron`` is five fields, ``"minute hour day-of-month month
+    day-of-week"``, read in ``timezone_name`` (an IANA name). ``every_seconds`` counts from
+    ``start`` (else the Unix epoch); ``at`` is a one-off time. A malformed expression or
+    an unknown time zone raises ``ConfigurationError`` and saves nothing.
+    """
+    if sum(x is not None for x in (cron, every_seconds, at)) != 1:
+        raise ConfigurationError("give exactly one of cron, every_seconds and at")
+    fields: dict[str, Any] = {"interval": None, "crontab": None, "clocked": None, "solar": None, "one_off": False}
+    with transaction.atomic():
+        if cron is not None:
+            spec = parse_cron(cron, timezone_name)  # raises ConfigurationError on bad input
+            minute, hour, dom, month, dow = (
+                spec.minute,
+                spec.hour,
+                spec.day_of_month,
+                spec.month_of_year,
+                spec.day_of_week,
+            )
+            fields["crontab"], _ = CrontabSchedule.objects.get_or_create(
+                minute=minute, hour=hour, day_of_month=dom, month_of_year=month, day_of_week=dow,
+                timezone=timezone_name,
+            )  # fmt: skip
+        elif every_seconds is not None:
+            if every_seconds <= 0:
+                raise ConfigurationError(f"every_seconds must be positive, not {every_seconds!r}")
+            fields["interval"], _ = IntervalSchedule.objects.get_or_create(
+                every=every_seconds, period=IntervalSchedule.SECONDS
+            )
+        else:
+            assert at is not None
+            if timezone.is_naive(at):
+                raise ConfigurationError("at must be a timezone-aware datetime")
+            fields["clocked"], _ = ClockedSchedule.objects.get_or_create(clocked_time=at)
+            fields["one_off"] = True
+        periodic, _ = PeriodicTask.objects.update_or_create(
+            name=f"job:{job.slug}",
+            defaults={
+                **fields,
+                "task": TRIGGER_TASK,
+                "args": f'["{job.slug}"]',
+                "kwargs": "{}",
+                "start_time": start,
+                "enabled": True,
+                "description": f"Schedule of job {job.slug} (taskplatform).",
+            },
+        )
+        if job.periodic_task_id != periodic.pk:
+            job.periodic_task = periodic
+            job.save(update_fields=["periodic_task", "updated_at"])
+    return periodic
+
+
+def clear_schedule(job: JobDefinition) -> None:
+    """Remove ``job``'s schedule (its django-celery-beat entry); the job stays, run on demand."""
+    if job.periodic_task_id is None:
+        return
+    with transaction.atomic():
+        periodic = job.periodic_task
+        job.periodic_task = None
+        job.save(update_fields=["periodic_task", "updated_at"])
+        if periodic is not None:
+            periodic.delete()
+
+
+def set_enabled(job: JobDefinition, enabled: bool, *, user: str, reason: str) -> bool:
+    """Pause or resume a job; False if it already was (nothing recorded)."""
+    with transaction.atomic():
+        changed = JobDefinition.objects.filter(pk=job.pk, enabled=not enabled).update(
+            enabled=enabled, updated_at=timezone.now()
+        )
+        if changed:
+            audit(user, "resume_job" if enabled else "pause_job", f"job:{job.slug}", reason)
+    return bool(changed)
+
+
+def duplicate_job(job: JobDefinition, *, user: str, new_slug: str) -> JobDefinition:
+    """A paused copy of ``job`` without its schedule (give the copy one deliberately)."""
+    if JobDefinition.objects.filter(slug=new_slug).exists():
+        raise TaskPlatformError(f"a job {new_slug!r} exists already")
+    with transaction.atomic():
+        copy = JobDefinition.objects.get(pk=job.pk)
+        copy.pk = None
+        copy.slug = new_slug
+        copy.enabled = False
+        copy.periodic_task = None
+        copy.save()
+        audit(user, "duplicate_job", f"job:{job.slug}", copy=new_slug)
+    return copy
+
+
+def free_slug(slug: str) -> str:
+    """``slug`` + ``-copy`` (then ``-copy-2``, …): the first name no job has yet."""
+    candidate, n = f"{slug}-copy", 2
+    while JobDefinition.objects.filter(slug=candidate).exists():
+        candidate, n = f"{slug}-copy-{n}", n + 1
+    return candidate

@@ -1,0 +1,385 @@
+"""``LockedScheduler``: several ``celery beat`` processes, one leader, no slot twice, none missed.
+
+Set ``CELERY_BEAT_SCHEDULER = "taskplatform.beat.LockedScheduler"`` (the documented alias of
+this class) and run as many beats
+as you like. django-celery-beat's tables stay the schedule store (its admin and API keep
+working); a ``JobDefinition`` attaches to a ``PeriodicTask`` to give it a task, arguments
+and policies. Each tick:
+
+1. **Leadership.** Every process tries to hold the lease ``beat_lock_name`` on the lock
+   backend. The holder renews it every tick; the others try every tick, so one takes over
+   within about ``beat_lease_seconds + beat_tick_seconds`` of the leader's death. A leader
+   that cannot renew keeps publishing only while its lease has more than
+   ``beat_step_down_seconds`` left, as measured locally from before the grant.
+2. **Slots.** Slot times come from the schedule alone (``scheduling.slots``), never from
+   the memory of a previous run, so every leader names the same slots.
+3. **Publication.** Due slots go to the ledger as executions keyed
+   ``"<job>@<slot UTC ISO-8601>"``, in one transaction with the entries' cursors and a
+   check of the ``SchedulerFence`` row: the fence names the leader that last took over, so
+   a leader paused past its lease that wakes up cannot publish once its successor has
+   taken over, and two overlapping leaders still collapse onto one execution per slot
+   through the key. Messages go out when the transaction commits; a message lost there is
+   re-published by the rescuer (G1).
+4. **Misfires.** Slots owed for longer than ``beat_misfire_grace_seconds`` (no leader
+   ran) follow the job's policy: ``skip``, ``run_once`` (default) or ``catch_up``.
+
+The leader also runs the platform's maintenance in a thread of its own: the rescuer every
+``rescue_interval_seconds`` and ledger pruning every ``prune_interval_seconds``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import close_old_connections, connection, transaction
+from django.utils import timezone
+from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
+
+from ..backends import get_lock_backend
+from ..backends.base import Lease, new_owner
+from ..conf import platform_settings
+from ..core.submission import submit
+from ..exceptions import SubmissionError
+from ..models import BeatProcess, JobDefinition, ScheduleCursor, Trigger
+from ..observability.logs import execution_context
+from .config import configuration_problems
+from .leadership import FencedOff, Leadership, check_fence, take_over_fence
+from .maintenance import Maintenance
+from .slots import plan_due, slot_key
+from .table import ScheduleTable, SlotEntry
+
+log = logging.getLogger("taskplatform.beat")
+
+#: How often a beat process records itself in ``BeatProcess`` (for ``taskplatform status``).
+HEARTBEAT_SECONDS = 5.0
+
+
+@dataclass
+class TickStats:
+    """Counters a beat keeps about itself (logged, reported in ``BeatProcess``, read by bench)."""
+
+    ticks: int = 0
+    published: int = 0
+    dropped: int = 0
+    fenced: int = 0
+    lateness: list[float] = field(default_factory=list)
+
+
+class LockedScheduler(DatabaseScheduler):
+    """django-celery-beat's ``DatabaseScheduler`` with a leader lease and slot-keyed publication."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.conf = platform_settings()
+        problems = configuration_problems(self.conf)
+        if problems:
+            raise ImproperlyConfigured("LockedScheduler cannot start:\n  - " + "\n  - ".join(problems))
+        self.identity = new_owner()
+        self.table: ScheduleTable | None = None
+        self.stats = TickStats()
+        self._leading = False
+        self._last_sync = float("-inf")
+        self._last_heartbeat = float("-inf")
+        self._reported_leading = False
+        self._needs_full_load = False
+        self._started_at = timezone.now()
+        self._maintenance: Maintenance | None = None
+        backend = get_lock_backend(self.conf.beat_lock_alias)
+        self.leadership = Leadership(backend, self.conf.beat_lock_name, self.identity, self.conf)
+        super().__init__(*args, **kwargs)
+        self.max_interval = self.conf.beat_tick_seconds
+
+    # -- celery.beat.Scheduler interface --
+
+    def setup_schedule(self) -> None:
+        """Write ``CELERY_BEAT_SCHEDULE`` entries to the schedule tables (every beat may; races are benign)."""
+        for name, fields in (self.app.conf.beat_schedule or {}).items():
+            for _attempt in range(2):  # two beats starting at once race on update_or_create
+                try:
+                    ModelEntry.from_entry(name, app=self.app, **fields)
+                    break
+                except Exception as exc:  # the retry is the point
+                    last = exc
+            else:
+                log.error("could not install beat_schedule entry %r: %s", name, last)
+
+    @property
+    def schedule(self) -> dict[str, Any]:
+        return dict(self.table.entries) if self.table else {}
+
+    def sync(self) -> None:
+        """Nothing to write back: cursors are written with each publication."""
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        with execution_context(fencing_token=self.leadership.token or None):
+            return self._tick()
+
+    def _tick(self) -> float:
+        started = time.monotonic()
+        self.stats.ticks += 1
+        close_old_connections()  # drop a connection a database outage broke; reconnects lazily
+        leading, acquired = self.leadership.step()
+        if leading and acquired:
+            leading = self._become_leader()
+        elif not leading and self._leading:
+            self._step_down()
+        self._heartbeat(started)
+        if not leading:
+            return self.conf.beat_tick_seconds
+        assert self.table is not None
+        try:
+            now = timezone.now()
+            if self._needs_full_load:
+                self._needs_full_load = False
+                self._sync_table(now, first=True)
+            elif started - self._last_sync >= self.conf.beat_sync_seconds:
+                self._sync_table(now, first=False)
+            self._publish_due(now)
+        except FencedOff as exc:
+            log.error("beat %s stops publishing: %s", self.identity, exc)
+            self.stats.fenced += 1
+            self.leadership.abdicate()
+            self._step_down()
+            return self.conf.beat_tick_seconds
+        except Exception:
+            # A database outage: keep the lease for as long as it can be trusted and retry.
+            log.exception("beat tick failed; retrying next tick")
+            close_old_connections()
+            return min(self.conf.beat_tick_seconds, 0.5)
+        next_due = self.table.next_due()
+        sleep = self.conf.beat_tick_seconds
+        if next_due is not None:
+            sleep = min(sleep, max(0.0, (next_due - timezone.now()).total_seconds()))
+        return max(sleep, 0.01)
+
+    def close(self) -> None:
+        if self._maintenance is not None:
+            self._maintenance.stop()
+        was_leading = self._leading
+        self.leadership.release()
+        self._leading = False
+        try:
+            BeatProcess.objects.filter(identity=self.identity).update(
+                is_leader=False, stopped_at=timezone.now(), last_seen_at=timezone.now()
+            )
+        except Exception as exc:  # shutting down; the row just goes stale
+            log.debug("could not record the beat's shutdown: %s", exc)
+        if was_leading:
+            log.info("beat %s released the lease", self.identity)
+        super().close()
+
+    @property
+    def info(self) -> str:
+        c = self.conf
+        return (
+            f"    . lock -> {c.beat_lock_name} on {type(self.leadership.backend).__name__} "
+            f"(lease {c.beat_lease_seconds:g}s, tick {c.beat_tick_seconds:g}s)\n"
+            f"    . identity -> {self.identity}"
+        )
+
+    # -- leadership transitions --
+
+    def _become_leader(self) -> bool:
+        lease = self.leadership.lease
+        assert lease is not None
+        try:
+            take_over_fence(self.conf.beat_lock_name, lease, self._still_holds)
+            self.table = ScheduleTable(self.conf, self.app)
+            self._sync_table(timezone.now(), first=True)
+        except FencedOff as exc:
+            log.error("beat %s cannot lead: %s", self.identity, exc)
+            self.leadership.abdicate()
+            return False
+        except Exception:
+            log.exception("beat %s could not take over the schedule; releasing the lease", self.identity)
+            self.leadership.release()
+            close_old_connections()
+            return False
+        self._leading = True
+        self._maintenance = Maintenance(self.conf, is_leading=self.leadership.may_publish)
+        self._maintenance.start()
+        return True
+
+    def _still_holds(self) -> bool:
+        lease = self.leadership.lease
+        if lease is None:
+            return False
+        try:
+            renewed = self.leadership.backend.renew(lease, self.conf.beat_lease_seconds)
+        except Exception:
+            return False
+        if renewed is not None:
+            self.leadership.lease = renewed
+        return renewed is not None
+
+    def _step_down(self) -> None:
+        self._leading = False
+        self.table = None
+        if self._maintenance is not None:
+            self._maintenance.stop()
+            self._maintenance = None
+        log.warning("beat %s is a follower now", self.identity)
+
+    # -- schedule and publication --
+
+    def _sync_table(self, now: datetime, *, first: bool) -> None:
+        assert self.table is not None
+        resets, gone = self.table.load(now, first=first)
+        self._last_sync = time.monotonic()
+        if not (resets or gone):
+            return
+        lease = self.leadership.lease
+        assert lease is not None
+        try:
+            with transaction.atomic():
+                check_fence(self.conf.beat_lock_name, lease)
+                if resets:
+                    self._write_cursors(resets, lease.token)
+                if gone:  # a schedule that comes back later starts afresh
+                    ScheduleCursor.objects.filter(name__in=gone).delete()
+        except Exception:
+            # The table already holds the new cursors; the database does not. Start over from
+            # the database on the next tick rather than carry on with the two disagreeing.
+            self.table = ScheduleTable(self.conf, self.app)
+            self._needs_full_load = True
+            raise
+
+    def _write_cursors(self, cursors: Iterable[tuple[str, datetime]], token: int) -> None:
+        # MySQL/MariaDB upsert on any unique key and refuse a conflict target.
+        target = ["name"] if connection.features.supports_update_conflicts_with_target else None
+        ScheduleCursor.objects.bulk_create(
+            [ScheduleCursor(name=n, last_slot=s, fencing_token=token) for n, s in cursors],
+            update_conflicts=True,
+            unique_fields=target,
+            update_fields=["last_slot", "fencing_token", "updated_at"],
+        )
+
+    def _publish_due(self, now: datetime) -> None:
+        assert self.table is not None
+        due = self.table.pop_due(now)
+        batch: list[tuple[SlotEntry, tuple[datetime, ...], datetime]] = []
+        slots_in_batch = 0
+        try:
+            while due:
+                entry = due.pop()
+                plan = plan_due(
+                    entry.schedule,  # type: ignore[arg-type]
+                    cursor=self.table.cursors[entry.name],
+                    now=now,
+                    policy=entry.policy,
+                    grace_seconds=self.conf.beat_misfire_grace_seconds,
+                    catch_up_window_seconds=entry.catch_up_window_seconds,
+                    limit=self.conf.beat_batch_size,
+                )
+                publish = plan.publish if entry.active else ()
+                dropped = plan.dropped + (len(plan.publish) - len(publish))
+                if dropped and entry.active:
+                    log.warning(
+                        "schedule entry %r: %d missed slot(s) dropped by misfire policy %s",
+                        entry.name,
+                        dropped,
+                        entry.policy.value,
+                    )
+                self.stats.dropped += dropped
+                batch.append((entry, publish, plan.cursor))
+                slots_in_batch += len(publish)
+                if slots_in_batch >= self.conf.beat_batch_size:
+                    self._commit_batch(batch, now)
+                    batch, slots_in_batch = [], 0
+            if batch:
+                self._commit_batch(batch, now)
+                batch = []
+        finally:
+            # Whatever was not committed goes back on the heap (its cursor did not move).
+            self.table.reschedule(e for e, _p, _c in batch)
+            self.table.reschedule(due)
+
+    def _commit_batch(self, batch: list[tuple[SlotEntry, tuple[datetime, ...], datetime]], now: datetime) -> None:
+        assert self.table is not None
+        # Renew between batches too: a large backlog must not outlast the lease.
+        if not self.leadership.renew_if_due() or not self.leadership.may_publish():
+            raise FencedOff("the lease can no longer be trusted")
+        lease = self.leadership.lease
+        assert lease is not None
+        published = 0
+        jobs = JobDefinition.objects.in_bulk([e.job_id for e, slots, _c in batch if slots and e.job_id])
+        with transaction.atomic():
+            check_fence(self.conf.beat_lock_name, lease)
+            for entry, slots, _cursor in batch:
+                for slot in slots:
+                    self._submit(entry, slot, lease, jobs)
+                    published += 1
+            self._write_cursors(((e.name, c) for e, _s, c in batch), lease.token)
+        for entry, slots, cursor in batch:
+            self.table.cursors[entry.name] = cursor
+            self.table.reschedule([entry])
+            for slot in slots:
+                self.stats.lateness.append((now - slot).total_seconds())
+        del self.stats.lateness[:-10_000]
+        self.stats.published += published
+        batch.clear()
+
+    def _submit(self, entry: SlotEntry, slot: datetime, lease: Lease, jobs: dict[int, JobDefinition]) -> None:
+        key = slot_key(entry.key_prefix, slot)
+        try:
+            if entry.kind == "job":
+                job = jobs.get(entry.job_id or 0)
+                if job is None:
+                    raise JobDefinition.DoesNotExist(f"job {entry.job_slug!r} was deleted")
+                submit(job, idempotency_key=key, trigger=Trigger.BEAT, slot=slot)
+            elif entry.kind == "task":
+                submit(
+                    entry.task,
+                    entry.args,
+                    entry.kwargs,
+                    idempotency_key=key,
+                    queue=entry.options.get("queue"),
+                    priority=entry.options.get("priority"),
+                    trigger=Trigger.BEAT,
+                    slot=slot,
+                )
+            else:
+                headers = {**entry.options.get("headers", {}), "tp_slot": key, "tp_fencing_token": lease.token}
+                options = {**entry.options, "headers": headers}
+                transaction.on_commit(
+                    lambda: self.app.send_task(entry.task, entry.args, entry.kwargs, **options), robust=True
+                )
+        except (SubmissionError, JobDefinition.DoesNotExist) as exc:
+            # Bad job configuration must not block the other entries: logged, slot dropped.
+            log.error("schedule entry %r slot %s not published: %s", entry.name, key, exc)
+
+    def _heartbeat(self, now_monotonic: float) -> None:
+        if now_monotonic - self._last_heartbeat < HEARTBEAT_SECONDS and self._reported_leading == self._leading:
+            return
+        self._last_heartbeat = now_monotonic
+        self._reported_leading = self._leading
+        lease = self.leadership.lease if self._leading else None
+        wall = timezone.now()
+        try:
+            BeatProcess.objects.update_or_create(
+                identity=self.identity,
+                defaults={
+                    "lock_name": self.conf.beat_lock_name,
+                    "is_leader": self._leading,
+                    "fencing_token": lease.token if lease else 0,
+                    "lease_expires_at": wall + timedelta(seconds=lease.remaining()) if lease else None,
+                    "last_seen_at": wall,
+                    "entries": len(self.table.entries) if self.table else 0,
+                    "published": self.stats.published,
+                    "stopped_at": None,
+                },
+                create_defaults={
+                    "lock_name": self.conf.beat_lock_name,
+                    "is_leader": self._leading,
+                    "started_at": self._started_at,
+                    "last_seen_at": wall,
+                },
+            )
+        except Exception as exc:
+            log.debug("beat heartbeat not recorded: %s", exc)
+            close_old_connections()

@@ -1,0 +1,286 @@
+"""The schedule table: django-celery-beat's rows as slot entries, with cursors and a heap of next slots.
+
+``ScheduleTable.load`` re-reads the schedule tables (a digest per row tells what changed),
+builds a ``SlotEntry`` per row (its ``slots.Schedule``, misfire policy and what it triggers)
+and keeps each entry's cursor, the last slot it published, in a heap ordered by next slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from django_celery_beat.models import PeriodicTask
+
+from ..conf import PlatformSettings
+from ..core.validation import is_idempotent
+from ..domain.policies import MisfirePolicy
+from ..exceptions import ConfigurationError
+from ..models import JobDefinition, ScheduleCursor
+from .slots import PERIOD_SECONDS, Bounded, Clocked, Crontab, Interval, Schedule
+
+log = logging.getLogger("taskplatform.beat")
+
+#: The task a plain django-celery-beat entry uses to trigger a job by slug.
+TRIGGER_TASK = "taskplatform.trigger_job"
+
+
+@dataclass
+class SlotEntry:
+    """One schedule row as the leader publishes it."""
+
+    name: str
+    schedule: Schedule | None
+    digest: str
+    active: bool  # PeriodicTask.enabled and the job not paused
+    kind: str  # "job" | "task" (an IdempotentTask) | "plain" (any other task)
+    job_id: int | None = None
+    job_slug: str = ""
+    task: str = ""
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    policy: MisfirePolicy = MisfirePolicy.RUN_ONCE
+    catch_up_window_seconds: float = 3600.0
+    generation: int = 0
+
+    @property
+    def key_prefix(self) -> str:
+        return self.job_slug if self.kind == "job" else self.name
+
+    def next_slot(self, after: datetime) -> datetime | None:
+        return self.schedule.next_after(after) if self.schedule is not None else None
+
+
+_ROW_FIELDS = (
+    "id", "name", "task", "args", "kwargs", "queue", "exchange", "routing_key", "priority", "headers",
+    "expires", "expire_seconds", "start_time", "enabled", "solar_id",
+    "interval__every", "interval__period",
+    "crontab__minute", "crontab__hour", "crontab__day_of_month", "crontab__month_of_year",
+    "crontab__day_of_week", "crontab__timezone",
+    "clocked__clocked_time",
+    "job__id", "job__slug", "job__enabled", "job__misfire_policy", "job__catch_up_window_seconds",
+)  # fmt: skip
+_JOB_FIELDS = ("id", "slug", "enabled", "misfire_policy", "catch_up_window_seconds", "periodic_task_id")
+
+
+def _digest(row: dict[str, Any], job: dict[str, Any] | None) -> str:
+    payload = json.dumps([row, job], sort_keys=True, default=str)
+    return hashlib.blake2b(payload.encode(), digest_size=12).hexdigest()
+
+
+def build_schedule(row: dict[str, Any]) -> Schedule:
+    """The ``slots.Schedule`` of one ``PeriodicTask`` row (as ``values()`` returns it)."""
+    if row["crontab__minute"] is not None:
+        return Crontab(
+            minute=row["crontab__minute"],
+            hour=row["crontab__hour"],
+            day_of_month=row["crontab__day_of_month"],
+            month_of_year=row["crontab__month_of_year"],
+            day_of_week=row["crontab__day_of_week"],
+            timezone=str(row["crontab__timezone"]),
+        )
+    if row["interval__every"] is not None:
+        seconds = row["interval__every"] * PERIOD_SECONDS[row["interval__period"]]
+        anchor = row["start_time"] or datetime(1970, 1, 1, tzinfo=UTC)
+        return Interval(seconds, anchor=anchor)
+    if row["clocked__clocked_time"] is not None:
+        return Clocked(row["clocked__clocked_time"])
+    if row["solar_id"] is not None:
+        raise ConfigurationError("solar schedules are not supported by LockedScheduler; use a crontab")
+    raise ConfigurationError("the periodic task has no schedule")
+
+
+def _loads(text: str | None, default: Any) -> Any:
+    return json.loads(text) if text else default
+
+
+def build_entry(row: dict[str, Any], job: dict[str, Any] | None, conf: PlatformSettings, app: Any) -> SlotEntry:
+    """A ``SlotEntry`` from a ``PeriodicTask`` row and the job it triggers (if any)."""
+    digest = _digest(row, job)
+    schedule = build_schedule(row)
+    if row["start_time"] is not None or row["expires"] is not None:
+        schedule = Bounded(schedule, not_before=row["start_time"], not_after=row["expires"])
+    options: dict[str, Any] = {}
+    for option in ("queue", "exchange", "routing_key", "priority"):
+        if row[option] is not None and row[option] != "":
+            options[option] = row[option]
+    headers = _loads(row["headers"], {})
+    if headers:
+        options["headers"] = headers
+    if row["expire_seconds"]:
+        options["expires"] = row["expire_seconds"]
+    entry = SlotEntry(
+        name=row["name"],
+        schedule=schedule,
+        digest=digest,
+        active=bool(row["enabled"]),
+        kind="plain",
+        task=row["task"],
+        args=_loads(row["args"], []),
+        kwargs=_loads(row["kwargs"], {}),
+        options=options,
+        catch_up_window_seconds=conf.beat_catch_up_window_seconds,
+    )
+    if job is not None:
+        entry.kind = "job"
+        entry.job_id = job["id"]
+        entry.job_slug = job["slug"]
+        entry.active = entry.active and bool(job["enabled"])
+        entry.policy = MisfirePolicy(job["misfire_policy"])
+        if job["catch_up_window_seconds"]:
+            entry.catch_up_window_seconds = float(job["catch_up_window_seconds"])
+    elif is_idempotent(app.tasks.get(row["task"])):
+        entry.kind = "task"
+    return entry
+
+
+class ScheduleTable:
+    """The leader's view of the schedule: entries, cursors and a heap of next slots."""
+
+    def __init__(self, conf: PlatformSettings, app: Any) -> None:
+        self.conf = conf
+        self.app = app
+        self.entries: dict[str, SlotEntry] = {}
+        self.cursors: dict[str, datetime] = {}
+        self.heap: list[tuple[datetime, str, int]] = []
+        self._generation = 0
+        self.broken: dict[str, str] = {}
+        #: Wall time of the previous load: an entry that changed since was edited after it.
+        self.loaded_at: datetime | None = None
+
+    def _push(self, entry: SlotEntry) -> None:
+        cursor = self.cursors.get(entry.name)
+        if cursor is None:
+            return
+        upcoming = entry.next_slot(cursor)
+        if upcoming is not None:
+            heapq.heappush(self.heap, (upcoming, entry.name, entry.generation))
+
+    def load(self, now: datetime, *, first: bool) -> tuple[list[tuple[str, datetime]], list[str]]:
+        """Re-read the schedule tables; returns cursors to (re)set ``(name, slot)`` and to delete.
+
+        ``first``: this process just became leader, so cursors are read from the database
+        and nothing is known about earlier digests.
+
+        An entry that is new, edited, re-enabled or repaired since the previous load is owed
+        slots from that previous load on (it changed after it): an edit is not a misfire of
+        the new schedule, and a slot due between the edit and this load is not lost.
+        """
+        rows = list(PeriodicTask.objects.values(*_ROW_FIELDS))
+        linked = {row["job__slug"] for row in rows if row["job__id"] is not None}
+        trigger_slugs = [
+            args[0]
+            for row in rows
+            if row["task"] == TRIGGER_TASK and row["job__id"] is None
+            for args in [_loads_safely(row["args"])]
+            if args and isinstance(args[0], str) and args[0] not in linked
+        ]
+        jobs_by_slug = {
+            job["slug"]: job for job in JobDefinition.objects.filter(slug__in=trigger_slugs).values(*_JOB_FIELDS)
+        }
+        if first:
+            self.cursors = dict(ScheduleCursor.objects.values_list("name", "last_slot"))
+        since = self.loaded_at or now
+        self.loaded_at = now
+        resets: list[tuple[str, datetime]] = []
+        seen: set[str] = set()
+        for row in rows:
+            name = row["name"]
+            seen.add(name)
+            shadowed = _shadowed_trigger(row, linked)
+            if shadowed:
+                if self.broken.get(name) != shadowed:
+                    log.error("schedule entry %r ignored: %s", name, shadowed)
+                self.broken[name] = shadowed
+                self.entries.pop(name, None)
+                continue
+            job = _job_of(row, jobs_by_slug)
+            digest = _digest(row, job)
+            known = self.entries.get(name)
+            if known is not None and known.digest == digest:
+                continue
+            try:
+                entry = build_entry(row, job, self.conf, self.app)
+            except (ConfigurationError, ValueError, KeyError) as exc:
+                if self.broken.get(name) != str(exc):
+                    log.error("schedule entry %r cannot be scheduled: %s", name, exc)
+                self.broken[name] = str(exc)
+                self.entries.pop(name, None)
+                continue
+            repaired = self.broken.pop(name, None) is not None
+            self._generation += 1
+            entry.generation = self._generation
+            self.entries[name] = entry
+            if name not in self.cursors or repaired or (known is not None and not first):
+                start = max(self.cursors.get(name, since), since) if not first else now
+                self.cursors[name] = start
+                resets.append((name, start))
+            self._push(entry)
+        gone = [name for name in self.cursors if name not in seen]
+        for name in gone:
+            self.entries.pop(name, None)
+            self.cursors.pop(name, None)
+            self.broken.pop(name, None)
+        return resets, gone
+
+    def pop_due(self, now: datetime) -> list[SlotEntry]:
+        due: dict[str, SlotEntry] = {}
+        while self.heap and self.heap[0][0] <= now:
+            _slot, name, generation = heapq.heappop(self.heap)
+            entry = self.entries.get(name)
+            if entry is not None and entry.generation == generation:
+                due[name] = entry
+        return list(due.values())
+
+    def reschedule(self, entries: Iterable[SlotEntry]) -> None:
+        for entry in entries:
+            self._push(entry)
+
+    def next_due(self) -> datetime | None:
+        while self.heap:
+            slot, name, generation = self.heap[0]
+            entry = self.entries.get(name)
+            if entry is not None and entry.generation == generation:
+                return slot
+            heapq.heappop(self.heap)
+        return None
+
+
+def _loads_safely(text: str | None) -> Any:
+    try:
+        return _loads(text, [])
+    except ValueError:
+        return []
+
+
+def _shadowed_trigger(row: dict[str, Any], linked: set[str]) -> str:
+    """Why a plain ``trigger_job`` row must not run (its job has a linked schedule), or ""."""
+    if row["task"] != TRIGGER_TASK or row["job__id"] is not None:
+        return ""
+    args = _loads_safely(row["args"])
+    if args and isinstance(args[0], str) and args[0] in linked:
+        return f"job {args[0]!r} already has its own schedule (job:{args[0]}); running both would run it twice"
+    return ""
+
+
+def _job_of(row: dict[str, Any], jobs_by_slug: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    if row["job__id"] is not None:
+        return {
+            "id": row["job__id"],
+            "slug": row["job__slug"],
+            "enabled": row["job__enabled"],
+            "misfire_policy": row["job__misfire_policy"],
+            "catch_up_window_seconds": row["job__catch_up_window_seconds"],
+        }
+    if row["task"] == TRIGGER_TASK:
+        args = _loads_safely(row["args"])
+        if args and isinstance(args[0], str):
+            return jobs_by_slug.get(args[0])
+    return None

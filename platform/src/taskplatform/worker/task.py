@@ -1,0 +1,368 @@
+"""``IdempotentTask``: the Celery task base every platform job runs through.
+
+Each delivery goes claim → run → record against the ledger:
+
+* **claim** — a compare-and-set on the execution row. A delivery for a key another live
+  attempt is running is absorbed (``duplicate_delivery``); a key that already succeeded
+  returns the stored result without running the body.
+* **run** — the body, with ``self.execution``, ``self.idempotency_key`` and
+  ``self.fencing_token`` set, while a lease heartbeat runs. With ``atomic = True`` the body
+  and the success mark share one database transaction.
+* **record** — success, a retry (exponential backoff with full jitter, from Celery's own
+  ``autoretry_for`` / ``retry_backoff`` / ``retry_backoff_max`` / ``retry_jitter`` /
+  ``max_retries``, overridable per job), or the dead letter with its traceback.
+
+Celery's ``autoretry_for`` wrapper is bypassed: the ledger decides retries, using the same
+options, so that attempts are counted by the ledger rather than by message headers and
+long delays are parked in the ledger instead of riding the broker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback as tb_module
+from typing import TYPE_CHECKING, Any, cast
+
+from celery import Task
+from celery.exceptions import Ignore, MaxRetriesExceededError, Retry
+from django.db import InterfaceError, OperationalError, connection, transaction
+
+from ..conf import platform_settings
+from ..core import ledger
+from ..core.leases import Watch, lease_keeper
+from ..core.publisher import HEADER_EXECUTION
+from ..core.types import Claim, Delivery, NewExecution
+from ..core.validation import encode_result
+from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP, resolve_error_classes
+from ..exceptions import StaleExecutionError
+from ..models import Trigger
+from ..observability.logs import execution_context
+from .owner import owner_alive_on
+from .retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from ..models import Execution, JobDefinition
+
+log = logging.getLogger("taskplatform.tasks")
+
+__all__ = ["UNBOUNDED_ATTEMPTS_CAP", "IdempotentTask", "PlatformRetry"]
+
+
+class PlatformRetry(Retry):
+    """Raised by ``IdempotentTask.retry()``: the ledger schedules the next attempt."""
+
+    def __init__(self, exc: Exception | None, countdown: float | None, max_retries: int | None) -> None:
+        super().__init__(exc=exc, when=cast(Any, countdown))
+        self.countdown = countdown
+        self.max_retries = max_retries
+
+
+def _retry_db(fn: Any) -> Any:
+    """Run ``fn`` once more on a fresh connection if the current one turned out dead."""
+    try:
+        return fn()
+    except (InterfaceError, OperationalError):
+        if connection.in_atomic_block:
+            raise
+        connection.close()
+        return fn()
+
+
+class IdempotentTask(Task):
+    """Celery task base: one ledger execution per idempotency key, run at most once at a time.
+
+    Class options (also accepted by ``@shared_task(base=IdempotentTask, ...)``):
+
+    ``atomic``
+        Run the body and the success mark in one database transaction (guarantee G3).
+    ``lease_seconds``
+        Lease held while the body runs; default ``TASKPLATFORM_LEASE_SECONDS``.
+
+    Override ``derive_idempotency_key(self, *args, **kwargs)`` to derive a business key (say
+    ``f"coupon:{campaign}:{user}"``); by default a plain Celery call is keyed by its task id
+    and ``submit()`` by the key it is given (or a fresh one).
+    """
+
+    atomic: bool = False
+    lease_seconds: int | None = None
+    #: How the core and the beat recognise this class without importing it (``core.validation``).
+    taskplatform_idempotent = True
+    acks_late = True
+    reject_on_worker_lost = True
+    ignore_result = True  # the ledger stores results; a result backend is optional
+
+    # --- what the body sees -----------------------------------------------------------
+
+    @property
+    def execution(self) -> Execution | None:
+        """The ledger row of the attempt being run (None outside a worker run)."""
+        return getattr(self.request, "tp_execution", None)
+
+    @property
+    def idempotency_key(self) -> Any:
+        """The running execution's idempotency key: pass it downstream (``Idempotency-Key``)."""
+        execution = self.execution
+        return execution.idempotency_key if execution is not None else None
+
+    @property
+    def fencing_token(self) -> int | None:
+        """Increases on every claim; pass it downstream so stale writers can be refused."""
+        execution = self.execution
+        return execution.fencing_token if execution is not None else None
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once this attempt's lease renewal was refused (it no longer owns the key)."""
+        watch: Watch | None = getattr(self.request, "tp_watch", None)
+        return bool(watch and watch.lost)
+
+    def derive_idempotency_key(self, *args: Any, **kwargs: Any) -> str | None:
+        """Override to derive a business key from the arguments; None uses the task id."""
+        return None
+
+    # --- policy -----------------------------------------------------------------------
+
+    def retry_policy(self, job: JobDefinition | None = None) -> RetryPolicy:
+        """This task's Celery retry options, with the job definition's overrides applied."""
+        max_retries = self.max_retries
+        max_attempts = UNBOUNDED_ATTEMPTS_CAP if max_retries is None else int(max_retries) + 1
+        backoff = getattr(self, "retry_backoff", False)
+        base = 0 if backoff is False else int(max(1.0, float(backoff)))
+        cap = int(getattr(self, "retry_backoff_max", 600))
+        jitter = bool(getattr(self, "retry_jitter", True))
+        retry_on = tuple(getattr(self, "autoretry_for", ()) or ())
+        fatal = tuple(getattr(self, "dont_autoretry_for", ()) or ())
+        if job is not None:
+            if job.max_attempts:
+                max_attempts = job.max_attempts
+            if job.backoff_base_seconds is not None:
+                base = job.backoff_base_seconds
+            if job.backoff_max_seconds is not None:
+                cap = job.backoff_max_seconds
+            if job.jitter is not None:
+                jitter = job.jitter
+            if job.retry_on:
+                retry_on = resolve_error_classes(job.retry_on)
+            if job.fatal_errors:
+                fatal = fatal + resolve_error_classes(job.fatal_errors)
+        return RetryPolicy(
+            max_attempts=max_attempts,
+            backoff_base_seconds=base,
+            backoff_max_seconds=cap,
+            jitter=jitter,
+            fixed_delay_seconds=int(self.default_retry_delay or 0),
+            retry_on=retry_on,
+            fatal=fatal,
+        )
+
+    def lease_for(self, job: JobDefinition | None) -> int:
+        if job is not None and job.lease_seconds:
+            return job.lease_seconds
+        return self.lease_seconds or platform_settings().lease_seconds
+
+    # --- the protocol -----------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly or not request.id:
+            return super().__call__(*args, **kwargs)  # a plain function call: no ledger
+        return self._run_under_ledger(request, args, kwargs)
+
+    def _claim(self, request: Any, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Claim | None:
+        """Claim the execution this delivery is for (creating it first for a plain Celery call)."""
+        node = request.hostname or "local"
+        headers = request.headers or {}
+        execution_id = headers.get(HEADER_EXECUTION)
+        if execution_id is not None:
+            delivery = Delivery(int(execution_id), self.name, list(args), dict(kwargs), worker, request.id)
+            claim = ledger.claim_message(
+                delivery,
+                default_lease_seconds=self.lease_for(None),
+                lease_seconds_for=self.lease_for,
+                max_attempts_for=lambda job: self.retry_policy(job).max_attempts,
+                owner_alive=owner_alive_on(node),
+            )
+            if claim is None:
+                log.error(
+                    "message for a missing execution dropped (pruned, or published before commit)",
+                    extra={"execution_id": execution_id, "celery_task_id": request.id},
+                )
+            return claim
+        key = self.derive_idempotency_key(*args, **kwargs) or request.id
+        delivery_info = request.delivery_info or {}
+        execution = ledger.ensure(
+            NewExecution(
+                idempotency_key=str(key)[:255],
+                task_name=self.name,
+                args=list(args),
+                kwargs=dict(kwargs),
+                trigger=Trigger.CELERY,
+                queue=str(delivery_info.get("routing_key") or "")[:100],
+                celery_task_id=request.id,
+                publish_count=1,
+            )
+        )
+        return ledger.claim(
+            execution,
+            worker=worker,
+            celery_task_id=request.id,
+            lease_seconds=self.lease_for(execution.job),
+            max_attempts=self.retry_policy(execution.job).max_attempts,
+            owner_alive=owner_alive_on(node),
+        )
+
+    def _run_under_ledger(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        worker = f"{request.hostname or 'local'}:{os.getpid()}"
+        claim = _retry_db(lambda: self._claim(request, worker, args, kwargs))
+        if claim is None:
+            return None
+        execution = claim.execution
+        with execution_context(execution.pk, execution.idempotency_key, claim.token):
+            return self._run_claimed(request, claim, worker, args, kwargs)
+
+    def _run_claimed(
+        self, request: Any, claim: Claim, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        execution = claim.execution
+        if claim.outcome != "claimed":
+            log.info(
+                "delivery absorbed: %s",
+                claim.outcome,
+                extra={"execution_id": execution.pk, "idempotency_key": execution.idempotency_key},
+            )
+            return execution.result if claim.outcome == "finished" else None
+
+        token = claim.token
+        request.tp_execution = execution
+        request.retries = execution.attempts - 1
+        watch = lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker)
+        request.tp_watch = watch
+        body = getattr(self, "_orig_run", self.run)  # bypass Celery's autoretry wrapper
+        started = time.monotonic()
+        returned = False  # set once the body returned: later errors are the ledger's, not the body's
+        try:
+            if self.atomic:
+                with transaction.atomic():
+                    result = body(*args, **kwargs)
+                    returned = True
+                    self._record_success(execution, token, result, worker, started)
+            else:
+                result = body(*args, **kwargs)
+                returned = True
+                _retry_db(lambda: self._record_success(execution, token, result, worker, started))
+            return result
+        except StaleExecutionError as exc:
+            ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed")
+            log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
+            return None
+        except Ignore:
+            self._record_success(execution, token, None, worker, started, note="body raised Ignore")
+            raise
+        except PlatformRetry as exc:
+            self._record_failure(execution, token, exc.exc or exc, worker, started, explicit=exc)
+        except Retry as exc:  # raised by the body directly, Celery style
+            countdown = exc.when if isinstance(exc.when, (int, float)) else None
+            explicit = PlatformRetry(exc.exc, countdown, None)
+            self._record_failure(execution, token, exc.exc or exc, worker, started, explicit=explicit)
+        except Exception as exc:
+            if returned:
+                # The body finished but its success could not be recorded (database down, or
+                # the commit's outcome unknown). Not a body failure: the attempt stays RUNNING,
+                # its lease expires and the rescuer re-queues it. In atomic mode the body's
+                # writes were rolled back with the mark; otherwise downstream effects must be
+                # idempotent on ``idempotency_key``.
+                log.error(
+                    "success of a finished body could not be recorded; the rescuer will re-queue it",
+                    exc_info=True,
+                    extra={"execution_id": execution.pk, "fencing_token": token},
+                )
+                raise
+            self._record_failure(execution, token, exc, worker, started)
+        finally:
+            lease_keeper().unwatch(watch)
+        raise AssertionError("unreachable")  # pragma: no cover - _record_failure always raises
+
+    def _record_success(
+        self, execution: Execution, token: int, result: Any, worker: str, started: float, note: str = ""
+    ) -> None:
+        stored, why_not = encode_result(result)
+        data: dict[str, Any] = {"duration_ms": round((time.monotonic() - started) * 1000, 1)}
+        if why_not or note:
+            data["note"] = why_not or note
+        ledger.succeed(execution, token, stored, worker=worker, data=data)
+
+    def _record_failure(
+        self,
+        execution: Execution,
+        token: int,
+        exc: BaseException,
+        worker: str,
+        started: float,
+        explicit: PlatformRetry | None = None,
+    ) -> None:
+        """Record a failed attempt as a retry or a dead letter, then raise for Celery."""
+        policy = self.retry_policy(execution.job)  # read now: a job edit applies to this retry
+        error = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
+        trace = "".join(tb_module.format_exception(exc)) if exc.__traceback__ else ""
+        max_attempts = policy.max_attempts
+        if explicit is not None and explicit.max_retries is not None:
+            max_attempts = explicit.max_retries + 1
+        verdict = "retry" if explicit is not None else policy.classify(exc)
+        duration_ms = round((time.monotonic() - started) * 1000, 1)
+        if verdict == "retry" and execution.attempts < max_attempts:
+            if explicit is not None and explicit.countdown is not None:
+                delay: float = max(0.0, float(explicit.countdown))
+            else:
+                delay = policy.delay_seconds(execution.attempts)
+            scheduled = _retry_db(
+                lambda: ledger.schedule_retry(
+                    execution,
+                    token,
+                    delay_seconds=delay,
+                    error=error,
+                    traceback=trace,
+                    worker=worker,
+                    reason=f"attempt {execution.attempts} of {max_attempts} failed after {duration_ms} ms",
+                )
+            )
+            if not scheduled:
+                ledger.record_stale_write(execution.pk, token, worker=worker, what="schedule_retry")
+            raise Retry(exc=exc if isinstance(exc, Exception) else None, when=cast(Any, delay))
+        if verdict == "retry":
+            error = f"{error} (attempts exhausted: {execution.attempts} of {max_attempts})"
+        if not _retry_db(lambda: ledger.dead_letter(execution, token, error=error, traceback=trace, worker=worker)):
+            ledger.record_stale_write(execution.pk, token, worker=worker, what="dead_letter")
+        if explicit is not None and not isinstance(exc, Exception):
+            raise MaxRetriesExceededError(error)
+        raise exc
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: Exception | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Ask for another attempt: the ledger schedules it (or dead-letters when exhausted).
+
+        Same signature as Celery's ``Task.retry``; ``countdown``/``eta`` set the delay,
+        otherwise the job's backoff policy does. Changing ``args``/``kwargs`` on retry is
+        not supported: an execution's arguments are fixed in the ledger.
+        """
+        if self.execution is None:
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        if exc is None:
+            current = sys.exc_info()[1]
+            exc = current if isinstance(current, Exception) else None
+        if countdown is None and eta is not None:
+            from django.utils import timezone
+
+            countdown = max(0.0, (eta - timezone.now()).total_seconds())
+        raise PlatformRetry(exc, countdown, max_retries)
