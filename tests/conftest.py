@@ -284,8 +284,11 @@ class BeatFactory:
             sys.executable, "-m", "celery", "-A", "config", "beat", "-S", "taskplatform.beat.LockedScheduler",
             "--loglevel", "INFO", "-f", str(logfile), "--pidfile=",
         ]  # fmt: skip
+        # The beat runs from tmp_path: put the repository on the path after any given one (the
+        # guard ablation runs the suite against a mutated copy of the platform that way).
+        pythonpath = os.pathsep.join(filter(None, (full_env.get("PYTHONPATH"), str(ROOT))))
         proc = subprocess.Popen(
-            cmd, cwd=self.tmp_path, env={**full_env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+            cmd, cwd=self.tmp_path, env={**full_env, "PYTHONPATH": pythonpath}, stdout=subprocess.DEVNULL,
             stderr=(self.tmp_path / f"{name}.err").open("wb"), start_new_session=True,
         )  # fmt: skip
         beat = Worker(name=name, proc=proc, logfile=logfile, env=full_env)

@@ -1,8 +1,9 @@
 """G1/G6: work survives killed workers, and poison messages stop.
 
 Every signal goes to a process this test started (a worker from the ``workers`` fixture or
-one of its pool children). Side effects are counted twice: ``Effect`` has a UNIQUE key
-(what must hold), ``EffectRaw`` has none (how many attempts reached the body).
+one of its pool children). Side effects are counted in two tables, neither with a unique
+constraint: ``Effect`` (committed effects: must be exactly one per execution) and ``EffectRaw``
+(every attempt that reached the body).
 """
 
 from __future__ import annotations

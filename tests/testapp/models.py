@@ -4,9 +4,10 @@ from django.db import models
 
 
 class Effect(models.Model):
-    """One committed effect per key: the UNIQUE constraint makes a second one an error."""
+    """Every committed effect of a body, with NO unique constraint: a second run of a body shows
+    as a second row (a UNIQUE key would turn a double into an error and hide it)."""
 
-    key = models.CharField(max_length=255, unique=True)
+    key = models.CharField(max_length=255, db_index=True)
     fencing_token = models.BigIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -17,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+LAYERS = "The platform's layers import downwards only"
 
 
 def lint_imports(pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -37,8 +38,8 @@ def test_the_contracts_hold_on_the_tree() -> None:
 @pytest.mark.parametrize(
     ("module", "line", "contract"),
     [
-        ("models.py", "from .worker import task as _wrong_way", "The platform's layers import downwards only"),
-        ("core/ledger.py", "from ..scheduling import scheduler as _wrong_way", "The platform's layers import downwards only"),
+        ("models.py", "from .worker import task as _wrong_way", LAYERS),
+        ("core/ledger.py", "from ..scheduling import scheduler as _wrong_way", LAYERS),
         ("models.py", "import celery as _wrong_way", "The models import no Celery and no lock backend"),
         ("core/rescuer.py", "import tasks.tasks as _wrong_way", "never imports the reference deployment"),
         ("worker/owner.py", "from . import task as _cycle", "No import cycle"),

@@ -1,7 +1,7 @@
 """The platform's settings: one typed object over the ``TASKPLATFORM_*`` Django settings.
 
-Every key is documented once, here, with its unit and default; ``docs/reference/settings.md``
-and the README's configuration table repeat this table. Code reads ``platform_settings()``,
+Every key is documented once, here, with its unit and default; the README's configuration
+table repeats it. Code reads ``platform_settings()``,
 never ``getattr(settings, ...)`` ad hoc.
 """
 
@@ -41,7 +41,7 @@ class PlatformSettings:
     republish_max_seconds: int = 3600
     #: How many rows the rescuer handles per pass and per category.
     rescue_batch_size: int = 500
-    #: How often the rescuer runs (beat entry ``taskplatform-rescue``), in seconds.
+    #: How often the beat leader's maintenance thread runs the rescuer, in seconds.
     rescue_interval_seconds: int = 10
     #: Queue the rescuer task is published to when beat drives it (empty: Celery's default).
     rescue_queue: str = ""

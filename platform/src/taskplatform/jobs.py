@@ -206,6 +206,18 @@ def duplicate_job(job: JobDefinition, *, user: str, new_slug: str) -> JobDefinit
     return copy
 
 
+def delete_job(job: JobDefinition, *, user: str) -> None:
+    """Delete ``job`` and its schedule (a schedule left behind would trigger a job that is gone).
+
+    Its executions stay in the ledger (their job link is cleared), so history is not lost.
+    """
+    with transaction.atomic():
+        slug = job.slug
+        clear_schedule(job)
+        job.delete()
+        audit(user, "delete_job", f"job:{slug}", "deleted in the admin")
+
+
 def free_slug(slug: str) -> str:
     """``slug`` + ``-copy`` (then ``-copy-2``, …): the first name no job has yet."""
     candidate, n = f"{slug}-copy", 2

@@ -8,6 +8,12 @@
 or, for the default alias, a URL: ``TASKPLATFORM_LOCK_URL = "redlock://h1:6379,h2:6379,h3:6379"``
 (schemes ``db``, ``locmem``, ``redis``/``rediss``, ``redis-cluster``, ``redlock``). Without
 either, the database backend is used. Backends are built once per alias and process.
+
+This package is the lock layer: ``base`` is the interface (``LockBackend``, ``Lease`` with its
+fencing token), each other module one technology (``<Tech>LockBackend``). It may import
+``conf``, ``exceptions`` and (the database backend only) ``models``; client libraries such as
+``redis`` are imported only here, lazily. The beat's leadership and the console use it; the
+core never does.
 """
 
 from __future__ import annotations

@@ -330,6 +330,14 @@ class JobDefinitionAdmin(admin.ModelAdmin):
             enabled_changed=change and "enabled" in form.changed_data,
         )
 
+    def delete_model(self, request: HttpRequest, obj: JobDefinition) -> None:
+        """Delete through the jobs service: the schedule goes with the job, and it is audited."""
+        jobs.delete_job(obj, user=user_label(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[JobDefinition]) -> None:
+        for job in queryset:
+            jobs.delete_job(job, user=user_label(request))
+
     def get_urls(self) -> list[Any]:
         preview = self.admin_site.admin_view(self.preview_view)
         return [path("preview/", preview, name="taskplatform_jobdefinition_preview"), *super().get_urls()]
