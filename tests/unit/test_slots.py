@@ -550,6 +550,43 @@ def test_next_after_from_inside_chatham_repeated_stretch(
     assert Crontab(minute=minute, hour=hour, timezone=CHATHAM).next_after(after) == expected
 
 
+@pytest.mark.parametrize(
+    ("zone", "change"),
+    [
+        pytest.param(CHATHAM, utc(2026, 4, 4, 14, 0), id="chatham-fall-back"),
+        pytest.param(CHATHAM, utc(2026, 9, 26, 14, 0), id="chatham-spring-forward"),
+        pytest.param("Australia/Lord_Howe", utc(2026, 4, 4, 15, 0), id="lord-howe-fall-back-30min"),
+        pytest.param("Australia/Lord_Howe", utc(2026, 10, 3, 15, 30), id="lord-howe-spring-forward-30min"),
+        pytest.param(BERLIN, utc(2026, 10, 25, 1, 0), id="berlin-fall-back"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("minute", "hour", "wall_matches"),
+    [
+        pytest.param("*/15", "*", lambda h, m: m % 15 == 0, id="*/15-*"),
+        pytest.param("*/20", "2", lambda h, m: h == 2 and m % 20 == 0, id="*/20-2"),
+        pytest.param("0", "*/2", lambda h, m: h % 2 == 0 and m == 0, id="0-*/2"),
+        pytest.param("*/5", "1-3", lambda h, m: 1 <= h <= 3 and m % 5 == 0, id="*/5-1-3"),
+    ],
+)
+def test_a_real_time_job_has_a_slot_at_every_real_minute_whose_wall_time_matches(
+    zone: str, change: datetime, minute: str, hour: str, wall_matches: Any
+) -> None:
+    """The real-time contract by its definition: walk every UTC minute and read the wall clock."""
+    tz = ZoneInfo(zone)
+    assert change.astimezone(tz).utcoffset() != (change - timedelta(minutes=1)).astimezone(tz).utcoffset()
+    after, until = change - 30 * HOUR, change + 30 * HOUR
+    expected = []
+    moment = after + timedelta(minutes=1)
+    while moment <= until:
+        wall = moment.astimezone(tz)
+        if wall_matches(wall.hour, wall.minute):
+            expected.append(moment)
+        moment += timedelta(minutes=1)
+
+    assert list(Crontab(minute=minute, hour=hour, timezone=zone).slots(after, until)) == expected
+
+
 # --- interval ----------------------------------------------------------------------------------------
 
 SEVEN_HOURS = 7 * 3600  # 2026-01-01T00:00Z is 70128 * 7 h after the epoch, so it is on the epoch grid
