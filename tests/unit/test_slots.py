@@ -1,12 +1,14 @@
 """Schedule slots are deterministic UTC instants: this file pins that contract.
 
 - Crontab in an IANA zone follows Vixie cron across daylight-saving transitions: a job with a
-  specific hour runs once per local day (a skipped time at the first instant after the gap, a
-  repeated time at its first occurrence); a job whose hour is a wildcard (``*``, ``*/n``) follows
-  real time (no slot for a skipped time, two for a repeated one). Expected instants are written
-  out by hand from the 2026 transition rules of Berlin, New York and Sydney, never computed by
-  the code under test; each table row also states the local wall time it means, checked
-  against tzdata, so a wrong row fails on its own.
+  specific minute and hour runs once per local day (a skipped time at the first instant after
+  the gap, a repeated time at its first occurrence); a job whose minute or hour field starts with
+  ``*`` (``*``, ``*/n``) follows real time (no slot for a skipped time, two for a repeated one).
+  Pacific/Chatham (+12:45/+13:45) repeats and skips 02:45-03:44, across two local hours. Expected
+  instants are written out by hand from the 2026 transition rules of Berlin, New York, Sydney
+  and Chatham, never computed by the code under test; each table row also states the local
+  wall time it means, checked against tzdata, so a wrong row fails on its own.
+  ``test_slots_differential.py`` compares with cronsim over many zones and years.
 - Interval slots are ``anchor + k * every``, whoever computes them and from wherever.
 - Clocked has one slot.
 - ``plan_due`` applies the misfire policies (skip / run_once / catch_up) with a grace period and
@@ -331,6 +333,258 @@ def test_a_new_leader_starting_inside_the_repeated_hour_continues_the_same_real_
     late = list(rebuilt.slots(utc(2026, 10, 25, 0, 45), utc(2026, 10, 25, 4, 0)))
     assert late == [utc(2026, 10, 25, 1, 30), utc(2026, 10, 25, 2, 30), utc(2026, 10, 25, 3, 30)]
     assert early[-len(late) :] == late
+
+
+# --- crontab: a wildcard minute makes a real-time job too (Vixie cron's MIN_STAR | HR_STAR) ----------
+
+# (zone, minute, hour, local day, every slot of that local day in UTC, what they read on the local wall)
+WILDCARD_MINUTE: list[Any] = [
+    # Berlin spring forward 2026-03-29 02:00 CET -> 03:00 CEST (01:00Z): 02:00, 02:20, 02:40 never happen.
+    pytest.param(BERLIN, "*/20", "2", date(2026, 3, 29), (), (), id="berlin-spring-forward-*/20-2-no-slot"),
+    pytest.param(
+        BERLIN, "*/20", "2", date(2026, 3, 28),
+        (utc(2026, 3, 28, 1, 0), utc(2026, 3, 28, 1, 20), utc(2026, 3, 28, 1, 40)),
+        ("2026-03-28T02:00:00+01:00", "2026-03-28T02:20:00+01:00", "2026-03-28T02:40:00+01:00"),
+        id="berlin-ordinary-day-*/20-2",
+    ),
+    # Berlin fall back 2026-10-25 03:00 CEST -> 02:00 CET (01:00Z): 02:00-02:59 happens twice, so do the slots.
+    pytest.param(
+        BERLIN, "*/20", "2", date(2026, 10, 25),
+        (utc(2026, 10, 25, 0, 0), utc(2026, 10, 25, 0, 20), utc(2026, 10, 25, 0, 40),
+         utc(2026, 10, 25, 1, 0), utc(2026, 10, 25, 1, 20), utc(2026, 10, 25, 1, 40)),
+        ("2026-10-25T02:00:00+02:00", "2026-10-25T02:20:00+02:00", "2026-10-25T02:40:00+02:00",
+         "2026-10-25T02:00:00+01:00", "2026-10-25T02:20:00+01:00", "2026-10-25T02:40:00+01:00"),
+        id="berlin-fall-back-*/20-2-both-passes",
+    ),
+    # New York spring forward 2026-03-08 02:00 EST -> 03:00 EDT (07:00Z).
+    pytest.param(NEW_YORK, "*/20", "2", date(2026, 3, 8), (), (), id="new-york-spring-forward-*/20-2-no-slot"),
+    pytest.param(
+        NEW_YORK, "*/20", "2", date(2026, 3, 7),
+        (utc(2026, 3, 7, 7, 0), utc(2026, 3, 7, 7, 20), utc(2026, 3, 7, 7, 40)),
+        ("2026-03-07T02:00:00-05:00", "2026-03-07T02:20:00-05:00", "2026-03-07T02:40:00-05:00"),
+        id="new-york-ordinary-day-*/20-2",
+    ),
+    # New York fall back 2026-11-01 02:00 EDT -> 01:00 EST (06:00Z): 01:00-01:59 twice, 02:00-02:59 once.
+    pytest.param(
+        NEW_YORK, "*/20", "1", date(2026, 11, 1),
+        (utc(2026, 11, 1, 5, 0), utc(2026, 11, 1, 5, 20), utc(2026, 11, 1, 5, 40),
+         utc(2026, 11, 1, 6, 0), utc(2026, 11, 1, 6, 20), utc(2026, 11, 1, 6, 40)),
+        ("2026-11-01T01:00:00-04:00", "2026-11-01T01:20:00-04:00", "2026-11-01T01:40:00-04:00",
+         "2026-11-01T01:00:00-05:00", "2026-11-01T01:20:00-05:00", "2026-11-01T01:40:00-05:00"),
+        id="new-york-fall-back-*/20-1-both-passes",
+    ),
+    pytest.param(
+        NEW_YORK, "*/20", "2", date(2026, 11, 1),
+        (utc(2026, 11, 1, 7, 0), utc(2026, 11, 1, 7, 20), utc(2026, 11, 1, 7, 40)),
+        ("2026-11-01T02:00:00-05:00", "2026-11-01T02:20:00-05:00", "2026-11-01T02:40:00-05:00"),
+        id="new-york-fall-back-*/20-2-happens-once",
+    ),
+    # The rule is Vixie's: only a field that starts with ``*`` is a wildcard. A list or a range of
+    # minutes with a specific hour is a specific-time job: once after the gap, first pass only.
+    pytest.param(
+        BERLIN, "0,20,40", "2", date(2026, 3, 29), (utc(2026, 3, 29, 1, 0),), ("2026-03-29T03:00:00+02:00",),
+        id="berlin-spring-forward-minute-list-runs-once-at-03:00",
+    ),
+    pytest.param(
+        BERLIN, "0-40/20", "2", date(2026, 3, 29), (utc(2026, 3, 29, 1, 0),), ("2026-03-29T03:00:00+02:00",),
+        id="berlin-spring-forward-minute-range-step-runs-once-at-03:00",
+    ),
+    pytest.param(
+        BERLIN, "0,20,40", "2", date(2026, 10, 25),
+        (utc(2026, 10, 25, 0, 0), utc(2026, 10, 25, 0, 20), utc(2026, 10, 25, 0, 40)),
+        ("2026-10-25T02:00:00+02:00", "2026-10-25T02:20:00+02:00", "2026-10-25T02:40:00+02:00"),
+        id="berlin-fall-back-minute-list-first-pass-only",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("zone", "minute", "hour", "day", "expected", "wall"), WILDCARD_MINUTE)
+def test_a_wildcard_minute_follows_real_time_even_with_a_specific_hour(
+    zone: str, minute: str, hour: str, day: date, expected: tuple[datetime, ...], wall: tuple[str, ...]
+) -> None:
+    """Vixie cron: ``*/20 2 * * *`` skips the spring-forward day; it does not run once at 03:00."""
+    assert walls(expected, zone) == list(wall), "the table row itself disagrees with tzdata"
+    schedule = Crontab(minute=minute, hour=hour, timezone=zone)
+
+    assert slots_of_local_day(schedule, zone, day) == list(expected)
+
+
+# --- crontab in Pacific/Chatham: a repeated stretch that spans two local hours -------------------------
+
+# Chatham is +12:45 (CHAST) / +13:45 (CHADT). Fall back 2026-04-05 03:45 CHADT -> 02:45 CHAST, at
+# 2026-04-04T14:00Z: wall times 02:45-03:44 happen twice. Spring forward 2026-09-27 02:45 CHAST ->
+# 03:45 CHADT, at 2026-09-26T14:00Z: wall times 02:45-03:44 never happen.
+CHATHAM = "Pacific/Chatham"
+QUARTER = timedelta(minutes=15)
+
+# (local day, local day length in hours, slot count, first slot, last slot,
+#  consecutive slots around the transition, and what they read on the local wall)
+CHATHAM_EVERY_15: list[Any] = [
+    pytest.param(
+        date(2026, 4, 5), 25, 100, utc(2026, 4, 4, 10, 15), utc(2026, 4, 5, 11, 0),
+        (utc(2026, 4, 4, 13, 15), utc(2026, 4, 4, 13, 30), utc(2026, 4, 4, 13, 45), utc(2026, 4, 4, 14, 0),
+         utc(2026, 4, 4, 14, 15), utc(2026, 4, 4, 14, 30), utc(2026, 4, 4, 14, 45), utc(2026, 4, 4, 15, 0)),
+        ("2026-04-05T03:00:00+13:45", "2026-04-05T03:15:00+13:45", "2026-04-05T03:30:00+13:45",
+         "2026-04-05T02:45:00+12:45", "2026-04-05T03:00:00+12:45", "2026-04-05T03:15:00+12:45",
+         "2026-04-05T03:30:00+12:45", "2026-04-05T03:45:00+12:45"),
+        id="fall-back-every-repeated-quarter-twice",
+    ),
+    pytest.param(
+        date(2026, 9, 27), 23, 92, utc(2026, 9, 26, 11, 15), utc(2026, 9, 27, 10, 0),
+        (utc(2026, 9, 26, 13, 45), utc(2026, 9, 26, 14, 0), utc(2026, 9, 26, 14, 15)),
+        ("2026-09-27T02:30:00+12:45", "2026-09-27T03:45:00+13:45", "2026-09-27T04:00:00+13:45"),
+        id="spring-forward-skipped-quarters-have-no-slot",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("day", "day_hours", "count", "first", "last", "around", "wall"), CHATHAM_EVERY_15)
+def test_every_15_minutes_in_chatham_is_every_real_quarter_hour_across_dst(
+    day: date,
+    day_hours: int,
+    count: int,
+    first: datetime,
+    last: datetime,
+    around: tuple[datetime, ...],
+    wall: tuple[str, ...],
+) -> None:
+    """Both Chatham offsets are whole quarter hours, so ``*/15 * * * *`` is every 15 real minutes.
+
+    The repeated stretch 02:45-03:44 straddles two local hours: the second 02:45 (14:00Z) comes
+    after the first 03:30 (13:45Z), so local hours do not map onto UTC in order.
+    """
+    after, until = local_day_window(CHATHAM, day)
+    assert until - after == day_hours * HOUR, "the table row's transition claim disagrees with tzdata"
+    assert walls(around, CHATHAM) == list(wall), "the table row itself disagrees with tzdata"
+    schedule = Crontab(minute="*/15", timezone=CHATHAM)
+
+    slots = slots_of_local_day(schedule, CHATHAM, day)
+
+    assert len(slots) == count
+    assert (slots[0], slots[-1]) == (first, last)
+    assert all(b - a == QUARTER for a, b in pairwise(slots)), "a real quarter hour is missing or doubled"
+    start = slots.index(around[0])
+    assert tuple(slots[start : start + len(around)]) == around
+
+
+# (minute, hour, local day, every slot of that local day in UTC, what they read on the local wall)
+CHATHAM_SPECIFIC_AND_WILDCARD: list[Any] = [
+    # A wildcard minute in an hour that is half repeated: the first pass, then the second.
+    pytest.param(
+        "*/15", "3", date(2026, 4, 5),
+        (utc(2026, 4, 4, 13, 15), utc(2026, 4, 4, 13, 30), utc(2026, 4, 4, 13, 45),
+         utc(2026, 4, 4, 14, 15), utc(2026, 4, 4, 14, 30), utc(2026, 4, 4, 14, 45), utc(2026, 4, 4, 15, 0)),
+        ("2026-04-05T03:00:00+13:45", "2026-04-05T03:15:00+13:45", "2026-04-05T03:30:00+13:45",
+         "2026-04-05T03:00:00+12:45", "2026-04-05T03:15:00+12:45", "2026-04-05T03:30:00+12:45",
+         "2026-04-05T03:45:00+12:45"),
+        id="fall-back-*/15-3-both-passes",
+    ),
+    pytest.param(
+        "*/15", "2", date(2026, 4, 5),
+        (utc(2026, 4, 4, 12, 15), utc(2026, 4, 4, 12, 30), utc(2026, 4, 4, 12, 45), utc(2026, 4, 4, 13, 0),
+         utc(2026, 4, 4, 14, 0)),
+        ("2026-04-05T02:00:00+13:45", "2026-04-05T02:15:00+13:45", "2026-04-05T02:30:00+13:45",
+         "2026-04-05T02:45:00+13:45", "2026-04-05T02:45:00+12:45"),
+        id="fall-back-*/15-2-only-02:45-twice",
+    ),
+    # Specific times: a repeated one runs at its first pass only, whichever local hour it is in.
+    pytest.param(
+        "30", "3", date(2026, 4, 5), (utc(2026, 4, 4, 13, 45),), ("2026-04-05T03:30:00+13:45",),
+        id="fall-back-03:30-first-pass-only",
+    ),
+    pytest.param(
+        "50", "2", date(2026, 4, 5), (utc(2026, 4, 4, 13, 5),), ("2026-04-05T02:50:00+13:45",),
+        id="fall-back-02:50-first-pass-only",
+    ),
+    pytest.param(
+        "30", "2,3", date(2026, 4, 5), (utc(2026, 4, 4, 12, 45), utc(2026, 4, 4, 13, 45)),
+        ("2026-04-05T02:30:00+13:45", "2026-04-05T03:30:00+13:45"),
+        id="fall-back-02:30-and-03:30-once-each",
+    ),
+    # A skipped specific time runs once, at the first instant after the gap (03:45 CHADT).
+    pytest.param(
+        "0", "3", date(2026, 9, 27), (utc(2026, 9, 26, 14, 0),), ("2026-09-27T03:45:00+13:45",),
+        id="spring-forward-03:00-skipped-runs-at-03:45",
+    ),
+    pytest.param(
+        "0,30", "2,3", date(2026, 9, 27),
+        (utc(2026, 9, 26, 13, 15), utc(2026, 9, 26, 13, 45), utc(2026, 9, 26, 14, 0)),
+        ("2026-09-27T02:00:00+12:45", "2026-09-27T02:30:00+12:45", "2026-09-27T03:45:00+13:45"),
+        id="spring-forward-03:00-and-03:30-skipped-run-once-at-03:45",
+    ),
+    pytest.param(
+        "*/30", "3", date(2026, 9, 27), (), (), id="spring-forward-*/30-3-has-no-slot",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("minute", "hour", "day", "expected", "wall"), CHATHAM_SPECIFIC_AND_WILDCARD)
+def test_chatham_slots_across_dst_follow_vixie_cron(
+    minute: str, hour: str, day: date, expected: tuple[datetime, ...], wall: tuple[str, ...]
+) -> None:
+    assert walls(expected, CHATHAM) == list(wall), "the table row itself disagrees with tzdata"
+    schedule = Crontab(minute=minute, hour=hour, timezone=CHATHAM)
+
+    assert slots_of_local_day(schedule, CHATHAM, day) == list(expected)
+
+
+@pytest.mark.parametrize(
+    ("minute", "hour", "after", "expected"),
+    [
+        # In the first pass, at 02:50 CHADT: 03:00 CHADT, not the second 02:45 an hour later.
+        pytest.param("*/15", "*", utc(2026, 4, 4, 13, 5), utc(2026, 4, 4, 13, 15), id="*/15-first-pass-02:50"),
+        # In the first pass, at 03:35 CHADT: the next quarter is the second 02:45, a quarter later.
+        pytest.param("*/15", "*", utc(2026, 4, 4, 13, 50), utc(2026, 4, 4, 14, 0), id="*/15-first-pass"),
+        # In the second pass, at 02:50 CHAST: 03:00 CHAST, although 03:00 CHADT is long gone.
+        pytest.param("*/15", "*", utc(2026, 4, 4, 14, 5), utc(2026, 4, 4, 14, 15), id="*/15-second-pass"),
+        # 03:30 ran in the first pass (13:45Z); from the second pass, the next is the next day's.
+        pytest.param("30", "3", utc(2026, 4, 4, 14, 5), utc(2026, 4, 5, 14, 45), id="03:30-from-second-pass"),
+        pytest.param("30", "3", utc(2026, 4, 4, 13, 45), utc(2026, 4, 5, 14, 45), id="03:30-from-its-slot"),
+        pytest.param("50", "2", utc(2026, 4, 4, 13, 50), utc(2026, 4, 5, 14, 5), id="02:50-from-first-pass"),
+    ],
+)
+def test_next_after_from_inside_chatham_repeated_stretch(
+    minute: str, hour: str, after: datetime, expected: datetime
+) -> None:
+    """A beat (or a new leader) whose cursor sits inside the repeated stretch names the right next slot."""
+    assert Crontab(minute=minute, hour=hour, timezone=CHATHAM).next_after(after) == expected
+
+
+@pytest.mark.parametrize(
+    ("zone", "change"),
+    [
+        pytest.param(CHATHAM, utc(2026, 4, 4, 14, 0), id="chatham-fall-back"),
+        pytest.param(CHATHAM, utc(2026, 9, 26, 14, 0), id="chatham-spring-forward"),
+        pytest.param("Australia/Lord_Howe", utc(2026, 4, 4, 15, 0), id="lord-howe-fall-back-30min"),
+        pytest.param("Australia/Lord_Howe", utc(2026, 10, 3, 15, 30), id="lord-howe-spring-forward-30min"),
+        pytest.param(BERLIN, utc(2026, 10, 25, 1, 0), id="berlin-fall-back"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("minute", "hour", "wall_matches"),
+    [
+        pytest.param("*/15", "*", lambda h, m: m % 15 == 0, id="*/15-*"),
+        pytest.param("*/20", "2", lambda h, m: h == 2 and m % 20 == 0, id="*/20-2"),
+        pytest.param("0", "*/2", lambda h, m: h % 2 == 0 and m == 0, id="0-*/2"),
+        pytest.param("*/5", "1-3", lambda h, m: 1 <= h <= 3 and m % 5 == 0, id="*/5-1-3"),
+    ],
+)
+def test_a_real_time_job_has_a_slot_at_every_real_minute_whose_wall_time_matches(
+    zone: str, change: datetime, minute: str, hour: str, wall_matches: Any
+) -> None:
+    """The real-time contract by its definition: walk every UTC minute and read the wall clock."""
+    tz = ZoneInfo(zone)
+    assert change.astimezone(tz).utcoffset() != (change - timedelta(minutes=1)).astimezone(tz).utcoffset()
+    after, until = change - 30 * HOUR, change + 30 * HOUR
+    expected = []
+    moment = after + timedelta(minutes=1)
+    while moment <= until:
+        wall = moment.astimezone(tz)
+        if wall_matches(wall.hour, wall.minute):
+            expected.append(moment)
+        moment += timedelta(minutes=1)
+
+    assert list(Crontab(minute=minute, hour=hour, timezone=zone).slots(after, until)) == expected
 
 
 # --- interval ----------------------------------------------------------------------------------------

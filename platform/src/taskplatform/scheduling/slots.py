@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime, time, timedelta
+from functools import lru_cache
 from itertools import islice
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -166,8 +168,10 @@ class Crontab(Schedule):
         object.__setattr__(self, "_days", frozenset(spec.day_of_month))
         object.__setattr__(self, "_months", frozenset(spec.month_of_year))
         object.__setattr__(self, "_weekdays", frozenset(d % 7 for d in spec.day_of_week))
-        # Vixie cron: a wildcard hour follows real time; a specific hour runs once a day.
-        object.__setattr__(self, "_real_time", str(self.hour).strip().startswith("*"))
+        # Vixie cron (and Debian's, and cronsim): a job whose minute or hour field starts with
+        # ``*`` follows real time; one with a specific minute and hour runs once per wall time.
+        real_time = str(self.minute).strip().startswith("*") or str(self.hour).strip().startswith("*")
+        object.__setattr__(self, "_real_time", real_time)
 
     @property
     def expression(self) -> str:
@@ -180,78 +184,151 @@ class Crontab(Schedule):
     def _day_matches(self, day: date) -> bool:
         return day.month in self._months and day.day in self._days and day.isoweekday() % 7 in self._weekdays
 
-    def _hour_instants(self, day: date, hour: int) -> list[datetime]:
-        """The slots of one local hour of one day, in UTC, sorted and without repeats."""
-        start = datetime(day.year, day.month, day.day, hour)
-        end = start.replace(minute=59)
-        ends = {dt.replace(tzinfo=self.tz, fold=f).astimezone(UTC) for dt in (start, end) for f in (0, 1)}
-        if len(ends) == 2:  # no transition within this hour: minutes map one to one
-            base = min(ends)
-            return [base + timedelta(minutes=m) for m in self._minutes]
-        found: set[datetime] = set()
-        for minute in self._minutes:
-            found.update(self._local_to_utc(datetime(day.year, day.month, day.day, hour, minute)))
-        return sorted(found)
+    def _next_wall(self, start: datetime, last_day: date) -> datetime | None:
+        """The first local wall time (naive, whole minute) at or after ``start`` that the fields match.
 
-    def _hour_ends_by(self, day: date, hour: int, moment: datetime) -> bool:
-        """True if every slot of this local hour is at or before ``moment`` (a cheap bound)."""
-        naive = datetime(day.year, day.month, day.day, hour, 59, 59)
-        latest = max(naive.replace(tzinfo=self.tz, fold=f).astimezone(UTC) for f in (0, 1))
-        return latest <= moment
-
-    def _local_to_utc(self, naive: datetime) -> list[datetime]:
-        tz = self.tz
-        first = naive.replace(tzinfo=tz, fold=0)
-        second = naive.replace(tzinfo=tz, fold=1)
-        u_first, u_second = first.astimezone(UTC), second.astimezone(UTC)
-        if u_first == u_second:  # an ordinary local time
-            return [u_first]
-        exists = u_first.astimezone(tz).replace(tzinfo=None) == naive
-        if exists:  # the repeated hour: fold 0 is the first occurrence
-            return [u_first, u_second] if self._real_time else [u_first]
-        if self._real_time:  # a local time that never happens has no slot
-            return []
-        # Skipped by a spring-forward: run at the first instant after the gap. For a gap,
-        # fold=1 lands before the transition and fold=0 after it; bisect to the second.
-        low, high = min(u_first, u_second), max(u_first, u_second)
-        while high - low > timedelta(seconds=1):
-            mid = low + (high - low) / 2
-            mid = mid.replace(microsecond=0)
-            if mid <= low:
-                break
-            if self._offset_changes_between(low, mid):
-                high = mid
-            else:
-                low = mid
-        return [self._transition_in(low, high)]
-
-    def _offset_changes_between(self, a: datetime, b: datetime) -> bool:
-        return a.astimezone(self.tz).utcoffset() != b.astimezone(self.tz).utcoffset()
-
-    def _transition_in(self, low: datetime, high: datetime) -> datetime:
-        """The first instant of ``(low, high]`` (one second apart at most) with the new offset."""
-        return high if self._offset_changes_between(low, high) else low
+        Pure calendar arithmetic, blind to the zone: which of these wall times happen, and
+        when, is :meth:`next_after`'s business.
+        """
+        day, first_hour, first_minute = start.date(), start.hour, start.minute
+        while day <= last_day:
+            if self._day_matches(day):
+                for hour in self._hours[bisect_left(self._hours, first_hour) :]:
+                    i = bisect_left(self._minutes, first_minute if hour == first_hour else 0)
+                    if i < len(self._minutes):
+                        return datetime.combine(day, time(hour, self._minutes[i]))
+            day += timedelta(days=1)
+            first_hour = first_minute = 0
+        return None
 
     def next_after(self, after: datetime) -> datetime | None:
+        """Walk the stretches of constant UTC offset from ``after`` on, in real time.
+
+        Within one stretch local wall time is UTC plus a constant, so the first matching wall
+        time of the stretch is its first slot. No assumption is made about how local hours
+        order in UTC (Pacific/Chatham repeats 02:45-03:44, across two local hours). At a
+        transition, Vixie cron's rule applies (see the module docstring): a real-time job
+        simply continues on the new wall clock; a specific-time job runs a wall time skipped
+        by a spring-forward once, at the transition, and does not run again the wall times a
+        fall-back repeats.
+        """
         after = _aware(after, "after")
-        # Local hours map to non-decreasing UTC instants (a skipped time maps to the end of
-        # its gap, a repeated hour sorts within itself), so the first hour holding a slot
-        # after ``after`` holds the answer. Start a day early for zones east of UTC.
-        local = after.astimezone(self.tz)
-        day = local.date() - timedelta(days=1)
-        for _ in range(MAX_SEARCH_DAYS):
-            if self._day_matches(day) and not self._hour_ends_by(day, 23, after):
-                # Wall time never jumps by more than a few hours: earlier hours of the
-                # current local day cannot hold a later instant.
-                first_hour = local.hour - 3 if day == local.date() else 0
-                for hour in self._hours:
-                    if hour < first_hour or self._hour_ends_by(day, hour, after):
-                        continue
-                    for instant in self._hour_instants(day, hour):
-                        if instant > after:
-                            return instant
-            day += timedelta(days=1)
+        tz = self.tz
+        offset = _offset(tz, after)
+        wall = after.replace(tzinfo=None) + offset
+        last_day = min(wall.date() + timedelta(days=MAX_SEARCH_DAYS), date.max - timedelta(days=2))
+        bound = _minute_ceil(wall + timedelta(microseconds=1))  # strictly after ``after``
+        if not self._real_time:
+            previous = _last_transition_at_or_before(tz, after)
+            if previous is not None and previous.before > previous.after:
+                # ``after`` may sit in the second pass of a repeated stretch: those wall
+                # times already ran in the first pass.
+                bound = max(bound, _minute_ceil(_wall(previous.at, previous.before)))
+        stretch_start = after
+        candidate = self._next_wall(bound, last_day)
+        while candidate is not None:
+            instant = (candidate - offset).replace(tzinfo=UTC)
+            change = _first_transition_in(tz, stretch_start, instant)
+            if change is None:  # the offset holds up to the candidate: its wall time is real
+                return instant
+            # The candidate lies beyond this stretch; continue on the far side of ``change``.
+            skipped = change.after > change.before and candidate < _wall(change.at, change.after)
+            if skipped and not self._real_time:  # a wall time the spring-forward skipped
+                return change.at
+            offset, stretch_start = change.after, change.at
+            new_bound = _minute_ceil(_wall(change.at, change.after))
+            if not self._real_time:
+                new_bound = max(new_bound, _minute_ceil(_wall(change.at, change.before)))
+            if new_bound < bound or candidate < new_bound:
+                candidate = self._next_wall(new_bound, last_day)
+            bound = new_bound
         return None
+
+
+@dataclass(frozen=True)
+class _Transition:
+    """A change of UTC offset: from ``at`` on, wall time is UTC + ``after`` instead of + ``before``."""
+
+    at: datetime
+    before: timedelta
+    after: timedelta
+
+
+#: Offset probes are this far apart; :func:`_transitions_in_year` then bisects to the second.
+#: No zone in tzdata has changed its offset twice within 95 hours since 1900, so one probe
+#: interval never hides two changes.
+_PROBE_SECONDS = 6 * 3600
+
+
+def _offset(tz: ZoneInfo, instant: datetime) -> timedelta:
+    offset = instant.astimezone(tz).utcoffset()
+    assert offset is not None  # a ZoneInfo always has one
+    return offset
+
+
+def _wall(instant: datetime, offset: timedelta) -> datetime:
+    """The naive local wall time of a UTC ``instant`` under ``offset``."""
+    return instant.replace(tzinfo=None) + offset
+
+
+def _minute_ceil(wall: datetime) -> datetime:
+    floor = wall.replace(second=0, microsecond=0)
+    return floor if floor == wall else floor + timedelta(minutes=1)
+
+
+@lru_cache(maxsize=2048)
+def _transitions_in_year(tz: ZoneInfo, year: int) -> tuple[_Transition, ...]:
+    """The offset changes of ``tz`` in ``(year-01-01T00:00Z, (year+1)-01-01T00:00Z]``, oldest first.
+
+    zoneinfo has no public list of transitions: probe the offset and bisect each change.
+    """
+    if not 1 <= year < 9999:
+        return ()
+    start = int(datetime(year, 1, 1, tzinfo=UTC).timestamp())
+    end = int(datetime(year + 1, 1, 1, tzinfo=UTC).timestamp())
+
+    def offset_at(ts: int) -> timedelta:
+        return _offset(tz, datetime.fromtimestamp(ts, UTC))
+
+    found = []
+    low, low_offset = start, offset_at(start)
+    while low < end:
+        high = min(low + _PROBE_SECONDS, end)
+        high_offset = offset_at(high)
+        if high_offset != low_offset:
+            a, b = low, high  # offset_at(a) == low_offset != offset_at(b)
+            while b - a > 1:
+                mid = (a + b) // 2
+                if offset_at(mid) == low_offset:
+                    a = mid
+                else:
+                    b = mid
+            found.append(_Transition(datetime.fromtimestamp(b, UTC), low_offset, high_offset))
+        low, low_offset = high, high_offset
+    return tuple(found)
+
+
+def _first_transition_in(tz: ZoneInfo, start: datetime, end: datetime) -> _Transition | None:
+    """The first offset change at an instant in ``(start, end]``, or None."""
+    for year in range(start.year, end.year + 1):
+        for change in _transitions_in_year(tz, year):
+            if change.at > end:
+                return None
+            if change.at > start:
+                return change
+    return None
+
+
+def _last_transition_at_or_before(tz: ZoneInfo, moment: datetime) -> _Transition | None:
+    """The latest offset change at or before ``moment`` in its UTC year or the year before, or None.
+
+    Older changes do not matter to :meth:`Crontab.next_after`: a fall-back repeats hours, not years.
+    """
+    for year in (moment.year, moment.year - 1):
+        earlier = [change for change in _transitions_in_year(tz, year) if change.at <= moment]
+        if earlier:
+            return earlier[-1]
+    return None
 
 
 @dataclass(frozen=True)
