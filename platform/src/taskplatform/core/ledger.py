@@ -696,8 +696,8 @@ def operator_transition(
         )
         if task_id:
             changes["celery_task_id"] = task_id
-        if parked:
-            data["not_before"] = fence.isoformat()  # type: ignore[union-attr]
+        if parked and fence is not None:
+            data["not_before"] = fence.isoformat()
     else:
         changes.update(finished_at=now, due_at=None)
         if source == State.RUNNING:
