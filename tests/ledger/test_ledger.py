@@ -50,6 +50,11 @@ def expire_lease(execution: Execution) -> None:
     Execution.objects.filter(pk=execution.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
 
 
+def make_due(execution: Execution) -> None:
+    """Test set-up: the retry's due time has come."""
+    Execution.objects.filter(pk=execution.pk).update(scheduled_for=timezone.now() - timedelta(seconds=1))
+
+
 def test_the_same_key_creates_one_row():
     first = new("same")
     again, created = ledger.create(
@@ -151,6 +156,7 @@ def test_retry_then_dead_letter_record_errors_and_tracebacks():
     assert ledger.schedule_retry(c.execution, c.token, delay_seconds=5, error="E: boom", traceback="tb1", worker="w")
     row = Execution.objects.get(pk=execution.pk)
     assert row.state == "RETRYING" and row.publish_count == 1 and row.scheduled_for > timezone.now()
+    make_due(execution)
     c2 = claim(ledger.get(execution.pk))
     assert ledger.dead_letter(c2.execution, c2.token, error="E: boom again", traceback="tb2", worker="w")
     row = Execution.objects.get(pk=execution.pk)

@@ -40,6 +40,7 @@ class EventKind(models.TextChoices):
     RETRY_SCHEDULED = "retry_scheduled", "attempt failed, retry scheduled"
     DEAD_LETTERED = "dead_lettered", "moved to the dead-letter state"
     DUPLICATE_DELIVERY = "duplicate_delivery", "duplicate delivery absorbed"
+    EARLY_DELIVERY = "early_delivery", "delivery before the due time or the previous attempt's fence absorbed"
     ALREADY_FINISHED = "already_finished", "delivery for a finished execution absorbed"
     STALE_WRITE_REJECTED = "stale_write_rejected", "write-back with an old fencing token refused"
     LEASE_LOST = "lease_lost", "lease renewal refused"
@@ -185,7 +186,19 @@ class Execution(models.Model):
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     attempts = models.PositiveIntegerField(default=0, help_text="Attempts claimed so far.")
     fencing_token = models.BigIntegerField(default=0, help_text="Incremented on every claim.")
-    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text=(
+            "RUNNING: when the attempt's lease expires. Other states: the fence an operator's action "
+            "left (the stopped attempt may run until then; no new attempt starts before it)."
+        ),
+    )
+    max_attempts = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Attempts budget set by an explicit retry(max_retries=...); empty: the retry policy's.",
+    )
     worker = models.CharField(max_length=255, blank=True, help_text="node:pid of the current or last owner.")
     celery_task_id = models.CharField(max_length=255, blank=True, help_text="Id of the latest message.")
 

@@ -84,7 +84,7 @@ def _claim_sql() -> str:
                 state = 'RUNNING',
                 attempts = e.attempts + 1,
                 fencing_token = e.fencing_token + 1,
-                lease_expires_at = %(now)s + make_interval(secs => COALESCE(
+                lease_expires_at = statement_timestamp() + make_interval(secs => COALESCE(
                     (SELECT j.lease_seconds FROM {job} AS j WHERE j.id = e.job_id), %(lease)s)),
                 worker = %(worker)s,
                 celery_task_id = %(task_id)s,
@@ -92,24 +92,29 @@ def _claim_sql() -> str:
                 due_at = NULL,
                 updated_at = %(now)s
             WHERE e.id = %(id)s AND e.state = 'PENDING' AND e.attempts = 0
+              AND (e.lease_expires_at IS NULL OR e.lease_expires_at <= statement_timestamp())
             RETURNING e.id, e.idempotency_key, e.job_id, e.attempts, e.fencing_token, e.lease_expires_at,
-                      e.{_q("trigger")}, e.queue, e.priority, e.scheduled_for, e.created_at, e.publish_count
+                      e.{_q("trigger")}, e.queue, e.priority, e.scheduled_for, e.created_at, e.publish_count,
+                      round(EXTRACT(EPOCH FROM e.lease_expires_at - statement_timestamp()))::int AS lease_seconds
         ), ev AS (
             INSERT INTO {ev} ({_EVENT_COLUMNS})
             SELECT u.id, %(now)s, 'claimed', 'PENDING', 'RUNNING', u.attempts, u.fencing_token, %(worker)s, '',
-                   jsonb_build_object('celery_task_id', %(task_id)s::text,
-                                      'lease_seconds', EXTRACT(EPOCH FROM u.lease_expires_at - %(now)s)::int)
+                   jsonb_build_object('celery_task_id', %(task_id)s::text, 'lease_seconds', u.lease_seconds)
             FROM u
         )
         SELECT * FROM u
     """
 
 
-def claim_first_attempt(delivery: Delivery, *, default_lease_seconds: int, now: datetime) -> Execution | None:
+def claim_first_attempt(
+    delivery: Delivery, *, default_lease_seconds: int, now: datetime
+) -> tuple[Execution, int] | None:
     """Claim a ``PENDING`` execution that has never been attempted, in one statement.
 
     Returns the claimed execution (with the arguments from the message, which are the
-    ledger's), or None when the row is in any other condition: the portable path decides.
+    ledger's) and its lease in seconds, or None when the row is in any other condition,
+    a fence left by an operator's stop of a running attempt included: the portable path
+    decides. The lease and the fence are the database's clock (``statement_timestamp()``).
     """
     params: dict[str, Any] = {
         "id": delivery.execution_id,
@@ -123,7 +128,21 @@ def claim_first_attempt(delivery: Delivery, *, default_lease_seconds: int, now: 
         row = cursor.fetchone()
     if row is None:
         return None
-    (pk, key, job_id, attempts, token, lease_until, trigger, queue, priority, scheduled_for, created_at, pubs) = row
+    (
+        pk,
+        key,
+        job_id,
+        attempts,
+        token,
+        lease_until,
+        trigger,
+        queue,
+        priority,
+        scheduled_for,
+        created_at,
+        pubs,
+        lease,
+    ) = row
     execution = Execution(
         id=pk,
         idempotency_key=key,
@@ -148,7 +167,7 @@ def claim_first_attempt(delivery: Delivery, *, default_lease_seconds: int, now: 
     )
     execution._state.adding = False
     execution._state.db = connection.alias
-    return execution
+    return execution, int(lease)
 
 
 @cache

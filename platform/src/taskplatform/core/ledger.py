@@ -9,16 +9,25 @@ never overwrite a newer attempt.
 
 Publishing is never done inside a transaction: functions that make a row publishable
 register the publication with ``transaction.on_commit`` (see ``publisher``).
+
+Ownership is decided by one clock, the database's (``Now()`` inside the statement): a
+lease is written, renewed, judged expired for a takeover or a rescue, and a fence or a
+retry's due time is compared, in the same ``UPDATE`` that acts on it. A worker or beat
+whose clock drifts can therefore neither keep a lease that has run out nor take one that
+has not.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import IntegrityError, connection, transaction
+from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Q, Value
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from ..conf import platform_settings
@@ -32,6 +41,35 @@ from .types import Claim, Delivery, NewExecution
 __all__ = ["Claim", "Delivery", "NewExecution"]
 
 log = logging.getLogger("taskplatform.ledger")
+
+#: How much before its ``scheduled_for`` a ``RETRYING`` row may already be claimed. The due
+#: time is written with the clock of the worker that scheduled the retry, the broker's
+#: countdown runs on the publishing and consuming hosts' clocks, and the claim compares
+#: with the database's: one second absorbs ordinary skew, so a punctual message is not
+#: turned away. A fence (see ``operator_transition``) gets no tolerance: it protects G2.
+EARLY_TOLERANCE = timedelta(seconds=1)
+
+
+def _db_now(plus: timedelta | None = None) -> Any:
+    """The database server's clock (plus ``plus``), evaluated by the statement that uses it."""
+    if not plus:
+        return Now()
+    return ExpressionWrapper(Now() + Value(plus, output_field=DurationField()), output_field=DateTimeField())
+
+
+def _lease_over() -> Q:
+    """The row holds no live lease or fence by the database's clock.
+
+    For a ``RUNNING`` row: its lease expired (a takeover or rescue may act). For a
+    ``PENDING``/``RETRYING`` row: the fence left by an operator's stop of a running attempt
+    has passed (a new attempt may start).
+    """
+    return Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=Now())
+
+
+def _retry_due() -> Q:
+    """A ``RETRYING`` row's next attempt is due by the database's clock (``EARLY_TOLERANCE``)."""
+    return Q(scheduled_for__isnull=True) | Q(scheduled_for__lte=_db_now(EARLY_TOLERANCE))
 
 
 def _event(
@@ -59,11 +97,12 @@ def _event(
     )
 
 
-def _cas(execution: Execution, expect_state: str, expect_token: int, **changes: Any) -> bool:
-    """Apply ``changes`` if the row still has the expected state and token; report success."""
+def _cas(execution: Execution, expect_state: str, expect_token: int, *only_if: Q, **changes: Any) -> bool:
+    """Apply ``changes`` if the row still has the expected state and token (and matches
+    ``only_if``, checked in the same statement); report success."""
     changes.setdefault("updated_at", timezone.now())
-    rows = Execution.objects.filter(pk=execution.pk, state=expect_state, fencing_token=expect_token).update(**changes)
-    return rows == 1
+    matching = Execution.objects.filter(*only_if, pk=execution.pk, state=expect_state, fencing_token=expect_token)
+    return matching.update(**changes) == 1
 
 
 def republish_interval(publish_count: int) -> timedelta:
@@ -117,10 +156,16 @@ def ensure(spec: NewExecution) -> Execution:
     Used for tasks called the plain Celery way, whose row is created by the worker that
     receives the message. ``INSERT … ON CONFLICT DO NOTHING`` makes concurrent deliveries
     converge on one row without an error path.
+
+    The row gets a due time like ``submit()``'s first republish check: if the claim that
+    follows fails (database errors twice), the message is gone but the rescuer publishes
+    the row again, and the console's stuck filter shows it meanwhile.
     """
     found = Execution.objects.select_related("job").filter(idempotency_key=spec.idempotency_key).first()
     if found is not None:
         return found
+    if spec.due_at is None:
+        spec = replace(spec, due_at=timezone.now() + republish_interval(max(1, spec.publish_count)))
     Execution.objects.bulk_create([spec.build()], ignore_conflicts=True)
     return Execution.objects.select_related("job").get(idempotency_key=spec.idempotency_key)
 
@@ -145,8 +190,7 @@ def claim_message(
     if fastpath.enabled():
         claimed = fastpath.claim_first_attempt(delivery, default_lease_seconds=default_lease_seconds, now=now)
         if claimed is not None:
-            lease = round((claimed.lease_expires_at - now).total_seconds()) if claimed.lease_expires_at else 0
-            return Claim("claimed", claimed, lease_seconds=lease)
+            return Claim("claimed", claimed[0], lease_seconds=claimed[1])
     execution = Execution.objects.select_related("job").filter(pk=delivery.execution_id).first()
     if execution is None:
         return None
@@ -172,10 +216,16 @@ def claim(
     """Try to become the one running attempt of ``execution``.
 
     Outcomes: ``claimed`` (run the body), ``duplicate`` (another live attempt owns it),
-    ``finished`` (terminal already: do not run), ``exhausted`` (no attempts left: the
-    execution was dead-lettered now). ``owner_alive(worker)`` may say that the current
-    owner is known dead (``False``) so its attempt can be taken over before its lease runs
-    out, e.g. a pool child killed on this very node.
+    ``early`` (a ``RETRYING`` row before its due time, or a row whose stopped attempt may
+    still run until its fence: not yet), ``finished`` (terminal already: do not run),
+    ``exhausted`` (no attempts left: the execution was dead-lettered now). ``owner_alive(worker)``
+    may say that the current owner is known dead (``False``) so its attempt can be taken
+    over before its lease runs out, e.g. a pool child killed on this very node.
+
+    Whether a lease is live, a fence has passed or a retry is due is decided by the
+    database's clock inside the compare-and-set; the worker's clock only picks which
+    statement to try. ``max_attempts`` (the retry policy's) yields to a budget stored on the
+    row by an explicit ``retry(max_retries=...)``.
     """
     for _ in range(5):
         now = timezone.now()
@@ -191,83 +241,141 @@ def claim(
             )
             return Claim("finished", execution)
         takeover = False
+        owner_dead = False
         if state == State.RUNNING:
             lease_live = execution.lease_expires_at is not None and execution.lease_expires_at > now
-            if lease_live and owner_alive(execution.worker) is not False:
-                _event(
-                    execution,
-                    EventKind.DUPLICATE_DELIVERY,
-                    from_state=state,
-                    to_state=state,
-                    actor=worker,
-                    data={"celery_task_id": celery_task_id, "owner": execution.worker},
-                )
-                return Claim("duplicate", execution)
+            if lease_live:
+                owner_dead = owner_alive(execution.worker) is False
+                if not owner_dead:
+                    return _absorb_duplicate(execution, worker=worker, celery_task_id=celery_task_id)
             takeover = True
         elif state not in CLAIMABLE_STATES:  # pragma: no cover - the table has no other states
             raise LedgerError(f"execution {execution.pk} is in unknown state {state!r}")
 
+        # A takeover needs the lease expired (unless its owner is known dead); a new attempt
+        # needs the fence passed and, for a retry, its due time reached.
+        only_if: list[Q] = [] if owner_dead else [_lease_over()]
         previous_owner = execution.worker
-        if execution.attempts >= max_attempts:
-            reason = f"attempts exhausted: {execution.attempts} of {max_attempts} made"
+        token = execution.fencing_token
+        limit = execution.max_attempts or max_attempts
+        if execution.attempts >= limit:
+            reason = f"attempts exhausted: {execution.attempts} of {limit} made"
             if takeover:
                 reason += f"; the last attempt's worker {previous_owner} was lost"
-            if _dead_letter(execution, actor=worker, actor_kind=Actor.WORKER, error=reason, traceback=""):
+            if _dead_letter(
+                execution, actor=worker, actor_kind=Actor.WORKER, error=reason, traceback="", only_if=only_if
+            ):
                 return Claim("exhausted", execution)
-            execution = get(execution.pk)
-            continue
-
-        find_transition(state, State.RUNNING, Actor.WORKER)
-        token = execution.fencing_token
-        lease_until = now + timedelta(seconds=lease_seconds)
-        with transaction.atomic():
-            ok = _cas(
-                execution,
-                state,
-                token,
-                state=State.RUNNING,
-                attempts=execution.attempts + 1,
-                fencing_token=token + 1,
-                lease_expires_at=lease_until,
-                worker=worker[:255],
-                celery_task_id=celery_task_id[:255],
-                started_at=now,
-                due_at=None,
-                updated_at=now,
-            )
-            if ok:
-                execution.state = State.RUNNING
-                execution.attempts += 1
-                execution.fencing_token = token + 1
-                execution.lease_expires_at = lease_until
-                execution.worker = worker
-                execution.celery_task_id = celery_task_id
-                execution.started_at = now
-                execution.due_at = None
-                data: dict[str, Any] = {"celery_task_id": celery_task_id, "lease_seconds": lease_seconds}
-                if takeover:
-                    data["previous_owner"] = previous_owner
-                _event(
+        else:
+            if state == State.RETRYING:
+                only_if.append(_retry_due())
+            find_transition(state, State.RUNNING, Actor.WORKER)
+            with transaction.atomic():
+                ok = _cas(
                     execution,
-                    EventKind.TAKEN_OVER if takeover else EventKind.CLAIMED,
-                    from_state=state,
-                    to_state=State.RUNNING,
-                    actor=worker,
-                    data=data,
-                    at=now,
+                    state,
+                    token,
+                    *only_if,
+                    state=State.RUNNING,
+                    attempts=execution.attempts + 1,
+                    fencing_token=token + 1,
+                    lease_expires_at=_db_now(timedelta(seconds=lease_seconds)),
+                    worker=worker[:255],
+                    celery_task_id=celery_task_id[:255],
+                    started_at=now,
+                    due_at=None,
+                    updated_at=now,
                 )
-        if ok:
-            return Claim("claimed", execution, lease_seconds=lease_seconds)
-        execution = get(execution.pk)  # somebody else moved it: decide again on fresh data
+                if ok:
+                    execution.state = State.RUNNING
+                    execution.attempts += 1
+                    execution.fencing_token = token + 1
+                    # The row holds the database's instant; this copy is the worker's estimate.
+                    execution.lease_expires_at = now + timedelta(seconds=lease_seconds)
+                    execution.worker = worker
+                    execution.celery_task_id = celery_task_id
+                    execution.started_at = now
+                    execution.due_at = None
+                    data: dict[str, Any] = {"celery_task_id": celery_task_id, "lease_seconds": lease_seconds}
+                    if takeover:
+                        data["previous_owner"] = previous_owner
+                    _event(
+                        execution,
+                        EventKind.TAKEN_OVER if takeover else EventKind.CLAIMED,
+                        from_state=state,
+                        to_state=State.RUNNING,
+                        actor=worker,
+                        data=data,
+                        at=now,
+                    )
+            if ok:
+                return Claim("claimed", execution, lease_seconds=lease_seconds)
+        fresh = get(execution.pk)
+        if fresh.state == state and fresh.fencing_token == token:
+            # Nobody moved the row: the database's clock refused the compare-and-set.
+            if takeover:
+                return _absorb_duplicate(fresh, worker=worker, celery_task_id=celery_task_id)
+            return _absorb_early(fresh, worker=worker, celery_task_id=celery_task_id)
+        execution = fresh  # somebody else moved it: decide again on fresh data
     raise LedgerError(f"execution {execution.pk}: claim did not settle after 5 tries")
 
 
-def renew_lease(execution_id: int, token: int, lease_seconds: int) -> bool:
-    """Extend the lease of the attempt holding ``token``; False if that attempt lost it."""
-    now = timezone.now()
-    rows = Execution.objects.filter(pk=execution_id, state=State.RUNNING, fencing_token=token).update(
-        lease_expires_at=now + timedelta(seconds=lease_seconds), updated_at=now
+def _absorb_duplicate(execution: Execution, *, worker: str, celery_task_id: str) -> Claim:
+    _event(
+        execution,
+        EventKind.DUPLICATE_DELIVERY,
+        from_state=execution.state,
+        to_state=execution.state,
+        actor=worker,
+        data={"celery_task_id": celery_task_id, "owner": execution.worker},
     )
+    return Claim("duplicate", execution)
+
+
+def _absorb_early(execution: Execution, *, worker: str, celery_task_id: str) -> Claim:
+    """Turn away a delivery that came before the row may run, without losing the execution.
+
+    The message is dropped (acknowledged), so a stray copy cannot linger into a later
+    attempt. The row's ``due_at`` is pulled in to the instant it becomes claimable: if the
+    message turned away was the legitimate one (its host's clock ran ahead), the rescuer
+    publishes the row then; if it was a stray, the legitimate message normally claims
+    first and clears ``due_at``, and any extra copy is absorbed as usual.
+    """
+    candidates = [execution.lease_expires_at]
+    if execution.state == State.RETRYING:
+        candidates.append(execution.scheduled_for)
+    not_before = max((c for c in candidates if c is not None), default=timezone.now())
+    with transaction.atomic():
+        if execution.due_at is None or execution.due_at > not_before:
+            pulled = _cas(
+                execution,
+                execution.state,
+                execution.fencing_token,
+                Q(due_at__isnull=True) | Q(due_at__gt=not_before),
+                due_at=not_before,
+            )
+            if pulled:
+                execution.due_at = not_before
+        _event(
+            execution,
+            EventKind.EARLY_DELIVERY,
+            from_state=execution.state,
+            to_state=execution.state,
+            actor=worker,
+            data={"celery_task_id": celery_task_id, "not_before": not_before.isoformat()},
+        )
+    return Claim("early", execution)
+
+
+def renew_lease(execution_id: int, token: int, lease_seconds: int) -> bool:
+    """Extend the lease of the attempt holding ``token``; False if that attempt lost it.
+
+    Only a live lease is extended (by the database's clock): once it has expired, the
+    rescuer or a takeover may already be acting on it, so a late renewal must not revive it.
+    """
+    rows = Execution.objects.filter(
+        pk=execution_id, state=State.RUNNING, fencing_token=token, lease_expires_at__gt=Now()
+    ).update(lease_expires_at=_db_now(timedelta(seconds=lease_seconds)), updated_at=timezone.now())
     return rows == 1
 
 
@@ -342,6 +450,7 @@ def schedule_retry(
     worker: str,
     actor_kind: Actor = Actor.WORKER,
     reason: str = "",
+    max_attempts: int | None = None,
 ) -> bool:
     """Move the attempt holding ``token`` to ``RETRYING`` and arrange the next attempt.
 
@@ -349,6 +458,12 @@ def schedule_retry(
     (after commit); longer ones are parked in the ledger and published by the rescuer when
     due, because the Redis transport re-delivers long countdowns after its visibility
     timeout (kombu#337). Returns False (and changes nothing) if ``token`` is stale.
+
+    The next attempt is not claimable before ``scheduled_for`` (see ``claim``). A broker
+    countdown's ``due_at`` is a republish check after it; a parked retry's is the due time.
+    ``max_attempts``, given by an explicit ``retry(max_retries=...)``, becomes this
+    execution's attempts budget (claims and the rescuer honour it over the policy's).
+    When the rescuer calls this, the lease must have expired by the database's clock.
     """
     conf = platform_settings()
     now = timezone.now()
@@ -371,7 +486,10 @@ def schedule_retry(
         }
         if task_id:
             changes["celery_task_id"] = task_id
-        if not _cas(execution, State.RUNNING, token, **changes):
+        if max_attempts is not None:
+            changes["max_attempts"] = max_attempts
+        only_if = [_lease_over()] if actor_kind == Actor.RESCUER else []
+        if not _cas(execution, State.RUNNING, token, *only_if, **changes):
             return False
         for name, value in changes.items():
             setattr(execution, name, value)
@@ -402,7 +520,9 @@ def dead_letter(execution: Execution, token: int, *, error: str, traceback: str,
     return _dead_letter(execution, actor=worker, actor_kind=Actor.WORKER, error=error, traceback=traceback)
 
 
-def _dead_letter(execution: Execution, *, actor: str, actor_kind: Actor, error: str, traceback: str) -> bool:
+def _dead_letter(
+    execution: Execution, *, actor: str, actor_kind: Actor, error: str, traceback: str, only_if: Sequence[Q] = ()
+) -> bool:
     source = execution.state
     find_transition(source, State.FAILED, actor_kind)
     now = timezone.now()
@@ -411,6 +531,7 @@ def _dead_letter(execution: Execution, *, actor: str, actor_kind: Actor, error: 
             execution,
             source,
             execution.fencing_token,
+            *only_if,
             state=State.FAILED,
             finished_at=now,
             lease_expires_at=None,
@@ -446,19 +567,24 @@ def _dead_letter(execution: Execution, *, actor: str, actor_kind: Actor, error: 
 def rescue_expired(execution: Execution, *, max_attempts: int, now: datetime) -> str:
     """Handle a ``RUNNING`` row whose lease expired: re-queue it, or dead-letter it.
 
-    Returns ``"rescued"``, ``"dead_lettered"`` or ``"skipped"`` (the row moved meanwhile).
+    Returns ``"rescued"``, ``"dead_lettered"`` or ``"skipped"`` (the row moved meanwhile, or
+    its lease is live by the database's clock: renewed since it was read, or ``now`` ran ahead).
+    ``max_attempts`` yields to a budget stored on the row (see ``schedule_retry``).
     """
     if execution.state != State.RUNNING or (
         execution.lease_expires_at is not None and execution.lease_expires_at > now
     ):
         return "skipped"
     owner = execution.worker
+    max_attempts = execution.max_attempts or max_attempts
     if execution.attempts >= max_attempts:
         error = (
             f"lease expired during attempt {execution.attempts} (worker {owner} lost or stalled); "
             f"attempts exhausted: {execution.attempts} of {max_attempts}"
         )
-        done = _dead_letter(execution, actor="rescuer", actor_kind=Actor.RESCUER, error=error, traceback="")
+        done = _dead_letter(
+            execution, actor="rescuer", actor_kind=Actor.RESCUER, error=error, traceback="", only_if=[_lease_over()]
+        )
         return "dead_lettered" if done else "skipped"
     done = schedule_retry(
         execution,
@@ -524,6 +650,13 @@ def operator_transition(
     ``expected_state`` (and ``expected_token``, the fencing token) are what the operator
     saw; if the row moved since, nothing changes (so the same form submitted twice acts once,
     even if the row went through another attempt and came back to the same state).
+
+    Stopping a ``RUNNING`` attempt (mark failed, cancel) cannot stop its body: a revoke is
+    best effort and does nothing on thread or solo pools. So the row keeps the attempt's
+    lease expiry as a *fence*: that attempt may run until then (its renewals already fail,
+    the state changed), and no new attempt is claimed before it. A "retry now" of such a
+    row is parked until the fence (``due_at``; the rescuer publishes it then) instead of
+    published at once; claims compare the fence with the database's clock either way.
     """
     if not reason or not reason.strip():
         raise LedgerError("a reason is required for an operator action")
@@ -545,20 +678,34 @@ def operator_transition(
     transition = find_transition(source, target, Actor.OPERATOR)
     now = timezone.now()
     changes: dict[str, Any] = {"state": target, "updated_at": now}
+    data: dict[str, Any] = {"action": transition.name}
     task_id = ""
+    fence = execution.lease_expires_at
     if target == State.PENDING:
-        task_id = new_task_id()
+        # The fence (if any) stays on the row: the claim checks it with the database's clock.
+        # Whether to publish now or park until it passes is this host's estimate.
+        parked = fence is not None and fence > now
+        task_id = "" if parked else new_task_id()
         changes.update(
             attempts=0,  # a fresh attempt budget; the history keeps the earlier attempts
+            max_attempts=None,
             scheduled_for=None,
-            due_at=now + republish_interval(1),
-            publish_count=1,
-            celery_task_id=task_id,
+            due_at=fence if parked else now + republish_interval(1),
+            publish_count=0 if parked else 1,
             finished_at=None,
-            lease_expires_at=None,
         )
+        if task_id:
+            changes["celery_task_id"] = task_id
+        if parked and fence is not None:
+            data["not_before"] = fence.isoformat()
     else:
-        changes.update(finished_at=now, lease_expires_at=None, due_at=None)
+        changes.update(finished_at=now, due_at=None)
+        if source == State.RUNNING:
+            # Left as written by the attempt's last renewal: the fence (see above).
+            if fence is not None:
+                data["fence"] = fence.isoformat()
+        else:
+            changes["lease_expires_at"] = None
         if target == State.FAILED:
             changes["last_error"] = f"marked failed by {user}: {reason}"
     with transaction.atomic():
@@ -577,7 +724,7 @@ def operator_transition(
             to_state=target,
             actor=user,
             reason=reason,
-            data={"action": transition.name},
+            data=data,
             at=now,
         )
         if task_id:

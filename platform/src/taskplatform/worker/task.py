@@ -307,9 +307,11 @@ class IdempotentTask(Task):
         policy = self.retry_policy(execution.job)  # read now: a job edit applies to this retry
         error = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
         trace = "".join(tb_module.format_exception(exc)) if exc.__traceback__ else ""
-        max_attempts = policy.max_attempts
+        # An explicit retry(max_retries=N) sets this execution's budget; the ledger keeps it.
+        max_attempts = execution.max_attempts or policy.max_attempts
+        budget = None
         if explicit is not None and explicit.max_retries is not None:
-            max_attempts = explicit.max_retries + 1
+            max_attempts = budget = explicit.max_retries + 1
         verdict = "retry" if explicit is not None else policy.classify(exc)
         duration_ms = round((time.monotonic() - started) * 1000, 1)
         if verdict == "retry" and execution.attempts < max_attempts:
@@ -326,6 +328,7 @@ class IdempotentTask(Task):
                     traceback=trace,
                     worker=worker,
                     reason=f"attempt {execution.attempts} of {max_attempts} failed after {duration_ms} ms",
+                    max_attempts=budget,
                 )
             )
             if not scheduled:
