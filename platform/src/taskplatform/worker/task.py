@@ -20,7 +20,6 @@ long delays are parked in the ledger instead of riding the broker.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import traceback as tb_module
@@ -40,7 +39,7 @@ from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP, resolve_error_classes
 from ..exceptions import StaleExecutionError
 from ..models import Trigger
 from ..observability.logs import execution_context
-from .owner import owner_alive_on
+from .owner import owner_alive, worker_identity
 from .retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -173,7 +172,6 @@ class IdempotentTask(Task):
 
     def _claim(self, request: Any, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Claim | None:
         """Claim the execution this delivery is for (creating it first for a plain Celery call)."""
-        node = request.hostname or "local"
         headers = request.headers or {}
         execution_id = headers.get(HEADER_EXECUTION)
         if execution_id is not None:
@@ -183,7 +181,7 @@ class IdempotentTask(Task):
                 default_lease_seconds=self.lease_for(None),
                 lease_seconds_for=self.lease_for,
                 max_attempts_for=lambda job: self.retry_policy(job).max_attempts,
-                owner_alive=owner_alive_on(node),
+                owner_alive=owner_alive,
             )
             if claim is None:
                 log.error(
@@ -211,11 +209,11 @@ class IdempotentTask(Task):
             celery_task_id=request.id,
             lease_seconds=self.lease_for(execution.job),
             max_attempts=self.retry_policy(execution.job).max_attempts,
-            owner_alive=owner_alive_on(node),
+            owner_alive=owner_alive,
         )
 
     def _run_under_ledger(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        worker = f"{request.hostname or 'local'}:{os.getpid()}"
+        worker = worker_identity(request.hostname or "local")
         claim = _retry_db(lambda: self._claim(request, worker, args, kwargs))
         if claim is None:
             return None
