@@ -109,8 +109,9 @@ def test_a_live_owner_in_another_container_with_our_node_name_is_not_taken_over(
 
 
 def test_a_dead_owner_in_our_namespace_is_taken_over_before_its_lease_expires():
+    script = f"from taskplatform.worker.owner import worker_identity; print(worker_identity({NODE!r}))"
     child = subprocess.Popen(
-        [sys.executable, "-c", f"from taskplatform.worker.owner import worker_identity; print(worker_identity({NODE!r}))"],
+        [sys.executable, "-c", script],
         stdout=subprocess.PIPE,
         text=True,
     )

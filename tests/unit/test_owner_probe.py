@@ -71,13 +71,14 @@ def test_the_identity_is_readable_and_names_boot_namespace_and_start_time():
     owner = parse_owner(identity)
     assert owner is not None and (owner.node, owner.pid) == (NODE, os.getpid())
     assert identity.startswith(f"{NODE}:{os.getpid()}:")
-    boot = open("/proc/sys/kernel/random/boot_id").read().strip().replace("-", "")
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip().replace("-", "")
     assert owner.namespace == f"{boot[:16]}.{os.stat('/proc/self/ns/pid').st_ino}"
     assert len(identity) < 100  # fits Execution.worker (255) with room for a long node name
 
 
 def test_a_live_owner_in_our_namespace_is_alive_and_dead_once_it_exits():
-    with live_owner() as (proc, identity):
+    with live_owner() as (_proc, identity):
         assert owner_alive(identity) is True
     assert owner_alive(identity) is False  # exited and reaped: the pid is gone
 
@@ -90,7 +91,7 @@ def test_a_killed_owner_not_yet_reaped_is_dead():
 
 
 def test_a_pid_reused_by_another_process_is_a_dead_owner():
-    with live_owner() as (proc, identity):
+    with live_owner() as (_proc, identity):
         owner = parse_owner(identity)
         assert owner is not None
         # The recorded owner held this pid earlier; the live process now holding it started later.
