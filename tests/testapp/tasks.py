@@ -143,3 +143,31 @@ def sleepy(self: IdempotentTask, seconds: float = 5) -> None:
 def log_line(self: IdempotentTask, text: str = "inside the body") -> None:
     """Log one line from the body (structured-logging tests)."""
     logging.getLogger("taskplatform.testapp").warning(text)
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.flaky_heartbeat")
+def flaky_heartbeat(self: IdempotentTask, seconds: float = 10, failures: int = 2) -> dict[str, Any]:
+    """Make this process's next ``failures`` lease renewals raise a non-database error, then
+    run for ``seconds``: the lease keeper must survive the errors and keep the lease."""
+    from taskplatform.core import ledger
+
+    real = ledger.renew_lease
+    failed = 0
+
+    def renew_lease(execution_id: int, token: int, lease_seconds: int) -> bool:
+        nonlocal failed
+        if failed < failures:
+            failed += 1
+            raise RuntimeError(f"injected lease renewal failure {failed}")
+        return real(execution_id, token, lease_seconds)
+
+    _raw(self, "started")
+    ledger.renew_lease = renew_lease  # type: ignore[assignment]
+    try:
+        time.sleep(seconds)  # the body's own work
+    finally:
+        ledger.renew_lease = real  # type: ignore[assignment]
+    _raw(self, f"injected:{failed}")
+    if self.lease_lost:
+        _raw(self, "lease_lost")
+    return {"lease_lost": self.lease_lost}

@@ -114,9 +114,13 @@ class IdempotentTask(Task):
 
     @property
     def lease_lost(self) -> bool:
-        """True once this attempt's lease renewal was refused (it no longer owns the key)."""
+        """True once this attempt no longer owns its key: a lease renewal was refused, or
+        renewals kept failing until the lease had certainly run out."""
         watch: Watch | None = getattr(self.request, "tp_watch", None)
-        return bool(watch and watch.lost)
+        if watch is None:
+            return False
+        lease_keeper().ensure_running()  # a body that polls this also revives a dead keeper
+        return watch.lost
 
     def derive_idempotency_key(self, *args: Any, **kwargs: Any) -> str | None:
         """Override to derive a business key from the arguments; None uses the task id."""
