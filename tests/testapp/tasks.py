@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from celery import shared_task
+from celery.exceptions import Ignore
 
 from taskplatform.tasks import IdempotentTask
 
@@ -171,3 +172,33 @@ def flaky_heartbeat(self: IdempotentTask, seconds: float = 10, failures: int = 2
     if self.lease_lost:
         _raw(self, "lease_lost")
     return {"lease_lost": self.lease_lost}
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.atomic_ignore", atomic=True)
+def atomic_ignore(self: IdempotentTask, gate: str = "") -> None:
+    """Write a row in the ledger's transaction, then end with ``Ignore``."""
+    _raw(self, "written")
+    if gate:
+        _wait_gate(self, gate)
+    raise Ignore()
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.atomic_replace", atomic=True)
+def atomic_replace(self: IdempotentTask, gate: str = "") -> Any:
+    """Write a row in the ledger's transaction, then replace itself with ``testapp.replacement``."""
+    _raw(self, "written")
+    if gate:
+        _wait_gate(self, gate)
+    return self.replace(replacement.s(self.idempotency_key, self.execution.pk if self.execution else 0))
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.replacement")
+def replacement(self: IdempotentTask, parent_key: str, parent_id: int) -> None:
+    """Record that the replacement ran, and what it saw of its parent: its row and its state."""
+    from taskplatform.models import Execution
+
+    parent_rows = EffectRaw.objects.filter(key=parent_key, phase="written").count()
+    parent_state = Execution.objects.values_list("state", flat=True).get(pk=parent_id)
+    EffectRaw.objects.create(
+        key=parent_key, phase=f"replacement:{parent_rows}:{parent_state}", pid=os.getpid(), fencing_token=0
+    )

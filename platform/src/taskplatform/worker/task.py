@@ -76,7 +76,11 @@ class IdempotentTask(Task):
     Class options (also accepted by ``@shared_task(base=IdempotentTask, ...)``):
 
     ``atomic``
-        Run the body and the success mark in one database transaction (guarantee G3).
+        Run the body and the success mark in one database transaction (guarantee G3). A body
+        that raises ``celery.exceptions.Ignore`` has succeeded with no result: its writes
+        commit with the success mark, then ``Ignore`` goes on to Celery. ``self.replace(sig)``
+        is such an ``Ignore``; its replacement ``sig`` is published after that commit (and
+        not at all if the attempt rolls back).
     ``lease_seconds``
         Lease held while the body runs; default ``TASKPLATFORM_LEASE_SECONDS``.
 
@@ -247,10 +251,19 @@ class IdempotentTask(Task):
         returned = False  # set once the body returned: later errors are the ledger's, not the body's
         try:
             if self.atomic:
+                ignored: Ignore | None = None
                 with transaction.atomic():
-                    result = body(*args, **kwargs)
+                    try:
+                        result = body(*args, **kwargs)
+                    except Ignore as exc:
+                        # Ignore (also raised by self.replace()) ends the body as a success: its
+                        # writes must commit with the success mark, not be rolled back under it.
+                        ignored, result = exc, None
                     returned = True
-                    self._record_success(execution, token, result, worker, started)
+                    note = "body raised Ignore" if ignored is not None else ""
+                    self._record_success(execution, token, result, worker, started, note=note)
+                if ignored is not None:
+                    raise ignored
             else:
                 result = body(*args, **kwargs)
                 returned = True
@@ -261,7 +274,8 @@ class IdempotentTask(Task):
             log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
             return None
         except Ignore:
-            self._record_success(execution, token, None, worker, started, note="body raised Ignore")
+            if not returned:  # not atomic: the body's writes are committed already
+                self._record_success(execution, token, None, worker, started, note="body raised Ignore")
             raise
         except PlatformRetry as exc:
             self._record_failure(execution, token, exc.exc or exc, worker, started, explicit=exc)
@@ -286,6 +300,33 @@ class IdempotentTask(Task):
         finally:
             lease_keeper().unwatch(watch)
         raise AssertionError("unreachable")  # pragma: no cover - _record_failure always raises
+
+    def on_replace(self, sig: Any) -> Any:
+        """``self.replace(sig)``: in atomic mode, publish ``sig`` once the attempt has committed.
+
+        The replacement is the body's last effect. Published at once (Celery's way) it could run
+        before the body's writes are visible, or run although they were rolled back (a stale
+        fencing token); published on commit it runs only after the body's writes and the success
+        mark are both committed, like a ``submit()`` from the body.
+        """
+        execution = self.execution
+        if not (self.atomic and execution is not None and connection.in_atomic_block) or self.request.is_eager:
+            return super().on_replace(sig)
+        execution_id = execution.pk
+
+        def publish() -> None:
+            try:
+                sig.delay()
+            except Exception:
+                # The attempt has committed as SUCCEEDED: nothing re-runs it. Say so loudly.
+                log.error(
+                    "the replacement of a succeeded atomic task could not be published",
+                    exc_info=True,
+                    extra={"execution_id": execution_id},
+                )
+
+        transaction.on_commit(publish)
+        raise Ignore("Replaced by new task")
 
     def _record_success(
         self, execution: Execution, token: int, result: Any, worker: str, started: float, note: str = ""
