@@ -182,3 +182,18 @@ def test_a_long_body_keeps_its_lease_across_renewal_errors_in_a_real_worker(work
     assert raw.filter(phase="injected:2").count() == 1  # both errors really were raised
     assert raw.filter(phase="lease_lost").count() == 0
     assert row.result == {"lease_lost": False}
+
+
+@pytest.mark.worker
+def test_a_body_sees_lease_lost_once_an_operator_fails_its_running_attempt(workers, poll):
+    """The refused renewal reaches the body: ``self.lease_lost`` turns True in a real worker."""
+    workers.start(concurrency=1)
+    job = JobDefinition.objects.create(slug="watcher", task="testapp.until_lease_lost", lease_seconds=3)
+    execution = submit(job)
+    key = execution.idempotency_key
+    poll(lambda: EffectRaw.objects.filter(key=key, phase="started").exists(), timeout=30, what="body started")
+    ledger.operator_transition(execution.pk, "FAILED", user="alice", reason="stuck", expected_state="RUNNING")
+    poll(lambda: EffectRaw.objects.filter(key=key, phase="lease_lost").exists(), timeout=30, what="lease_lost seen")
+    poll(lambda: EventKind.LEASE_LOST in event_kinds(execution.pk), timeout=10, what="the lease_lost event")
+    row = Execution.objects.get(pk=execution.pk)
+    assert (row.state, row.attempts) == ("FAILED", 1)  # the attempt's own write-back was refused

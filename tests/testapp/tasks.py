@@ -202,3 +202,16 @@ def replacement(self: IdempotentTask, parent_key: str, parent_id: int) -> None:
     EffectRaw.objects.create(
         key=parent_key, phase=f"replacement:{parent_rows}:{parent_state}", pid=os.getpid(), fencing_token=0
     )
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.until_lease_lost")
+def until_lease_lost(self: IdempotentTask, timeout: float = 30) -> bool:
+    """Work in small steps until ``self.lease_lost`` says another party owns the key."""
+    _raw(self, "started")
+    deadline = time.monotonic() + timeout
+    while not self.lease_lost:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)  # one step of the body's own work
+    _raw(self, "lease_lost")
+    return True
