@@ -98,3 +98,27 @@ def test_a_stale_atomic_attempt_that_replaces_itself_publishes_no_replacement(wo
     # (Its replacement would have been a new execution, keyed by attempt 1's task id.)
     assert Execution.objects.filter(task_name="testapp.replacement").count() == 1
     assert phases(key) == [("replacement:1:SUCCEEDED", 0), ("written", 2)]
+
+
+def test_a_plain_celery_call_replaced_runs_its_replacement_once(workers, poll):
+    """A ``.delay()`` call is keyed by its task id, which ``replace()`` hands on to the replacement:
+    the replacement must get an execution of its own, not be absorbed by its parent's."""
+    from tests.testapp.tasks import atomic_replace
+
+    workers.start(concurrency=2)
+    result = atomic_replace.delay()
+    parent = poll(
+        lambda: Execution.objects.filter(celery_task_id=result.id, task_name="testapp.atomic_replace").first(),
+        timeout=30,
+        what="parent",
+    )
+    key = parent.idempotency_key
+    poll(
+        lambda: EffectRaw.objects.filter(key=key, phase__startswith="replacement").exists(),
+        timeout=30,
+        what="replacement",
+    )
+    assert state_of(parent.pk) == "SUCCEEDED"
+    assert phases(key) == [("replacement:1:SUCCEEDED", 0), ("written", 1)]
+    replacement = Execution.objects.get(task_name="testapp.replacement")
+    assert replacement.state == "SUCCEEDED" and replacement.idempotency_key != key

@@ -197,7 +197,12 @@ class IdempotentTask(Task):
                     extra={"execution_id": execution_id, "celery_task_id": request.id},
                 )
             return claim
-        key = self.derive_idempotency_key(*args, **kwargs) or request.id
+        key = self.derive_idempotency_key(*args, **kwargs)
+        if not key:
+            # A replacement made by ``self.replace()`` inherits its parent's task id: it is
+            # another execution, and must not be absorbed by the parent's (finished) row.
+            nesting = int(getattr(request, "replaced_task_nesting", 0) or 0)
+            key = f"{request.id}:replaced:{nesting}" if nesting else request.id
         delivery_info = request.delivery_info or {}
         execution = ledger.ensure(
             NewExecution(
