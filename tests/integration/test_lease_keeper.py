@@ -8,7 +8,6 @@ against the real database; the only thing injected is the error a renewal raises
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 
 import pytest
 from django.db import connection
@@ -107,10 +106,14 @@ def test_a_refused_renewal_marks_the_attempt_lost(renewals):
     try:
         wait_for(lambda: injected.renewed >= 1, timeout=10, what="a first renewal")
         assert not watch.lost
-        # Another worker takes the key over (the lease looked expired to it).
-        Execution.objects.filter(pk=execution.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+        # Another worker takes the key over (it judged this owner dead).
         again = ledger.claim(
-            ledger.get(execution.pk), worker="node-b:2", celery_task_id="t-2", lease_seconds=30, max_attempts=3
+            ledger.get(execution.pk),
+            worker="node-b:2",
+            celery_task_id="t-2",
+            lease_seconds=30,
+            max_attempts=3,
+            owner_alive=lambda worker: False,
         )
         assert again.outcome == "claimed"
         wait_for(lambda: watch.lost, timeout=10, what="the refused renewal to mark the attempt lost")
