@@ -10,6 +10,7 @@ import pytest
 from taskplatform import submit
 from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, JobDefinition
+from taskplatform.worker.owner import parse_owner
 from tests.helpers import event_kinds, state_of
 from tests.testapp.models import Effect
 
@@ -39,7 +40,9 @@ def test_a_stale_worker_cannot_overwrite_a_newer_attempt(workers, poll, open_gat
     job = JobDefinition.objects.create(slug="fenced", task="testapp.atomic_effect", lease_seconds=3)
     execution = submit(job, kwargs={"gate": "stale"})
     row = poll(lambda: Execution.objects.filter(pk=execution.pk, state="RUNNING").first(), timeout=30, what="attempt 1")
-    pid = int(row.worker.rpartition(":")[2])
+    owner = parse_owner(row.worker)
+    assert owner is not None
+    pid = owner.pid
     assert pid in {c.pid for c in worker.pool_children()}
     os.kill(pid, signal.SIGSTOP)  # a long GC pause / a frozen VM
     try:

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from celery import shared_task
+from celery.exceptions import Ignore
 
 from taskplatform.tasks import IdempotentTask
 
@@ -143,3 +144,74 @@ def sleepy(self: IdempotentTask, seconds: float = 5) -> None:
 def log_line(self: IdempotentTask, text: str = "inside the body") -> None:
     """Log one line from the body (structured-logging tests)."""
     logging.getLogger("taskplatform.testapp").warning(text)
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.flaky_heartbeat")
+def flaky_heartbeat(self: IdempotentTask, seconds: float = 10, failures: int = 2) -> dict[str, Any]:
+    """Make this process's next ``failures`` lease renewals raise a non-database error, then
+    run for ``seconds``: the lease keeper must survive the errors and keep the lease."""
+    from taskplatform.core import ledger
+
+    real = ledger.renew_lease
+    failed = 0
+
+    def renew_lease(execution_id: int, token: int, lease_seconds: int) -> bool:
+        nonlocal failed
+        if failed < failures:
+            failed += 1
+            raise RuntimeError(f"injected lease renewal failure {failed}")
+        return real(execution_id, token, lease_seconds)
+
+    _raw(self, "started")
+    ledger.renew_lease = renew_lease  # type: ignore[assignment]
+    try:
+        time.sleep(seconds)  # the body's own work
+    finally:
+        ledger.renew_lease = real  # type: ignore[assignment]
+    _raw(self, f"injected:{failed}")
+    if self.lease_lost:
+        _raw(self, "lease_lost")
+    return {"lease_lost": self.lease_lost}
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.atomic_ignore", atomic=True)
+def atomic_ignore(self: IdempotentTask, gate: str = "") -> None:
+    """Write a row in the ledger's transaction, then end with ``Ignore``."""
+    _raw(self, "written")
+    if gate:
+        _wait_gate(self, gate)
+    raise Ignore()
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.atomic_replace", atomic=True)
+def atomic_replace(self: IdempotentTask, gate: str = "") -> Any:
+    """Write a row in the ledger's transaction, then replace itself with ``testapp.replacement``."""
+    _raw(self, "written")
+    if gate:
+        _wait_gate(self, gate)
+    return self.replace(replacement.s(self.idempotency_key, self.execution.pk if self.execution else 0))
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.replacement")
+def replacement(self: IdempotentTask, parent_key: str, parent_id: int) -> None:
+    """Record that the replacement ran, and what it saw of its parent: its row and its state."""
+    from taskplatform.models import Execution
+
+    parent_rows = EffectRaw.objects.filter(key=parent_key, phase="written").count()
+    parent_state = Execution.objects.values_list("state", flat=True).get(pk=parent_id)
+    EffectRaw.objects.create(
+        key=parent_key, phase=f"replacement:{parent_rows}:{parent_state}", pid=os.getpid(), fencing_token=0
+    )
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.until_lease_lost")
+def until_lease_lost(self: IdempotentTask, timeout: float = 30) -> bool:
+    """Work in small steps until ``self.lease_lost`` says another party owns the key."""
+    _raw(self, "started")
+    deadline = time.monotonic() + timeout
+    while not self.lease_lost:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)  # one step of the body's own work
+    _raw(self, "lease_lost")
+    return True

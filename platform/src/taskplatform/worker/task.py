@@ -20,7 +20,6 @@ long delays are parked in the ledger instead of riding the broker.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import traceback as tb_module
@@ -40,7 +39,7 @@ from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP, resolve_error_classes
 from ..exceptions import StaleExecutionError
 from ..models import Trigger
 from ..observability.logs import execution_context
-from .owner import owner_alive_on
+from .owner import owner_alive, worker_identity
 from .retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -77,7 +76,11 @@ class IdempotentTask(Task):
     Class options (also accepted by ``@shared_task(base=IdempotentTask, ...)``):
 
     ``atomic``
-        Run the body and the success mark in one database transaction (guarantee G3).
+        Run the body and the success mark in one database transaction (guarantee G3). A body
+        that raises ``celery.exceptions.Ignore`` has succeeded with no result: its writes
+        commit with the success mark, then ``Ignore`` goes on to Celery. ``self.replace(sig)``
+        is such an ``Ignore``; its replacement ``sig`` is published after that commit (and
+        not at all if the attempt rolls back).
     ``lease_seconds``
         Lease held while the body runs; default ``TASKPLATFORM_LEASE_SECONDS``.
 
@@ -115,9 +118,13 @@ class IdempotentTask(Task):
 
     @property
     def lease_lost(self) -> bool:
-        """True once this attempt's lease renewal was refused (it no longer owns the key)."""
+        """True once this attempt no longer owns its key: a lease renewal was refused, or
+        renewals kept failing until the lease had certainly run out."""
         watch: Watch | None = getattr(self.request, "tp_watch", None)
-        return bool(watch and watch.lost)
+        if watch is None:
+            return False
+        lease_keeper().ensure_running()  # a body that polls this also revives a dead keeper
+        return watch.lost
 
     def derive_idempotency_key(self, *args: Any, **kwargs: Any) -> str | None:
         """Override to derive a business key from the arguments; None uses the task id."""
@@ -173,7 +180,6 @@ class IdempotentTask(Task):
 
     def _claim(self, request: Any, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Claim | None:
         """Claim the execution this delivery is for (creating it first for a plain Celery call)."""
-        node = request.hostname or "local"
         headers = request.headers or {}
         execution_id = headers.get(HEADER_EXECUTION)
         if execution_id is not None:
@@ -183,7 +189,7 @@ class IdempotentTask(Task):
                 default_lease_seconds=self.lease_for(None),
                 lease_seconds_for=self.lease_for,
                 max_attempts_for=lambda job: self.retry_policy(job).max_attempts,
-                owner_alive=owner_alive_on(node),
+                owner_alive=owner_alive,
             )
             if claim is None:
                 log.error(
@@ -191,7 +197,12 @@ class IdempotentTask(Task):
                     extra={"execution_id": execution_id, "celery_task_id": request.id},
                 )
             return claim
-        key = self.derive_idempotency_key(*args, **kwargs) or request.id
+        key = self.derive_idempotency_key(*args, **kwargs)
+        if not key:
+            # A replacement made by ``self.replace()`` inherits its parent's task id: it is
+            # another execution, and must not be absorbed by the parent's (finished) row.
+            nesting = int(getattr(request, "replaced_task_nesting", 0) or 0)
+            key = f"{request.id}:replaced:{nesting}" if nesting else request.id
         delivery_info = request.delivery_info or {}
         execution = ledger.ensure(
             NewExecution(
@@ -211,11 +222,11 @@ class IdempotentTask(Task):
             celery_task_id=request.id,
             lease_seconds=self.lease_for(execution.job),
             max_attempts=self.retry_policy(execution.job).max_attempts,
-            owner_alive=owner_alive_on(node),
+            owner_alive=owner_alive,
         )
 
     def _run_under_ledger(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        worker = f"{request.hostname or 'local'}:{os.getpid()}"
+        worker = worker_identity(request.hostname or "local")
         claim = _retry_db(lambda: self._claim(request, worker, args, kwargs))
         if claim is None:
             return None
@@ -245,10 +256,19 @@ class IdempotentTask(Task):
         returned = False  # set once the body returned: later errors are the ledger's, not the body's
         try:
             if self.atomic:
+                ignored: Ignore | None = None
                 with transaction.atomic():
-                    result = body(*args, **kwargs)
+                    try:
+                        result = body(*args, **kwargs)
+                    except Ignore as exc:
+                        # Ignore (also raised by self.replace()) ends the body as a success: its
+                        # writes must commit with the success mark, not be rolled back under it.
+                        ignored, result = exc, None
                     returned = True
-                    self._record_success(execution, token, result, worker, started)
+                    note = "body raised Ignore" if ignored is not None else ""
+                    self._record_success(execution, token, result, worker, started, note=note)
+                if ignored is not None:
+                    raise ignored
             else:
                 result = body(*args, **kwargs)
                 returned = True
@@ -259,7 +279,8 @@ class IdempotentTask(Task):
             log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
             return None
         except Ignore:
-            self._record_success(execution, token, None, worker, started, note="body raised Ignore")
+            if not returned:  # not atomic: the body's writes are committed already
+                self._record_success(execution, token, None, worker, started, note="body raised Ignore")
             raise
         except PlatformRetry as exc:
             self._record_failure(execution, token, exc.exc or exc, worker, started, explicit=exc)
@@ -284,6 +305,33 @@ class IdempotentTask(Task):
         finally:
             lease_keeper().unwatch(watch)
         raise AssertionError("unreachable")  # pragma: no cover - _record_failure always raises
+
+    def on_replace(self, sig: Any) -> Any:
+        """``self.replace(sig)``: in atomic mode, publish ``sig`` once the attempt has committed.
+
+        The replacement is the body's last effect. Published at once (Celery's way) it could run
+        before the body's writes are visible, or run although they were rolled back (a stale
+        fencing token); published on commit it runs only after the body's writes and the success
+        mark are both committed, like a ``submit()`` from the body.
+        """
+        execution = self.execution
+        if not (self.atomic and execution is not None and connection.in_atomic_block) or self.request.is_eager:
+            return super().on_replace(sig)
+        execution_id = execution.pk
+
+        def publish() -> None:
+            try:
+                sig.delay()
+            except Exception:
+                # The attempt has committed as SUCCEEDED: nothing re-runs it. Say so loudly.
+                log.error(
+                    "the replacement of a succeeded atomic task could not be published",
+                    exc_info=True,
+                    extra={"execution_id": execution_id},
+                )
+
+        transaction.on_commit(publish)
+        raise Ignore("Replaced by new task")
 
     def _record_success(
         self, execution: Execution, token: int, result: Any, worker: str, started: float, note: str = ""
