@@ -27,10 +27,12 @@ from config.celery_app import app as celery_app
 from taskplatform import schedule_job
 from taskplatform.backends import get_lock_backend
 from taskplatform.beat import LockedScheduler
+from taskplatform.conf import platform_settings
 from taskplatform.exceptions import ConfigurationError
 from taskplatform.models import Execution, JobDefinition, ScheduleCursor, SchedulerFence
 from taskplatform.scheduling.leadership import FencedOff
 from taskplatform.scheduling.slots import format_slot
+from taskplatform.scheduling.table import ScheduleTable
 from tests.conftest import broker_url, redis_flushdb
 from tests.helpers import event_kinds
 
@@ -349,3 +351,43 @@ def test_a_removed_schedule_loses_its_cursor_and_starts_afresh_when_it_returns(
     # Owed from the sync before it returned (at most a sync and a tick earlier), not from the
     # old cursor: none of the gap's slots is replayed.
     assert all(slot >= readded_at - timedelta(seconds=1.6) for slot in slots), slots
+
+
+#: Entries enough that loading the schedule takes longer than the (scaled-down) lease
+#: (issue 10: 100,000 jobs never published with the default 6 s lease).
+BIG_SCHEDULE = 40_000
+
+
+def test_a_first_load_longer_than_the_lease_does_not_cost_the_leadership(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    """The new leader loads every entry and writes every cursor before its first publication:
+    when that outlasts the lease, it must keep the lease alive meanwhile, or every leader
+    loses it before publishing anything, again and again."""
+    every_second_job("after-a-long-load")
+    hourly = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.HOURS)
+    PeriodicTask.objects.bulk_create(
+        [PeriodicTask(name=f"bulk-{i:05d}", task="testapp.effect", interval=hourly) for i in range(BIG_SCHEDULE)],
+        batch_size=2000,
+    )
+    # The premise, measured on this machine: loading the schedule alone outlasts the lease.
+    started = time.monotonic()
+    ScheduleTable(platform_settings(), celery_app).load(timezone.now(), first=True)
+    load_seconds = time.monotonic() - started
+    lease = min(2.0, max(0.9, load_seconds / 1.5))
+    assert load_seconds > lease, f"the load took {load_seconds:.2f} s only; raise BIG_SCHEDULE"
+    timings = {
+        "TASKPLATFORM_BEAT_LEASE_SECONDS": lease,
+        "TASKPLATFORM_BEAT_TICK_SECONDS": lease / 3,
+        "TASKPLATFORM_BEAT_STEP_DOWN_SECONDS": lease / 3,
+        "TASKPLATFORM_BEAT_SYNC_SECONDS": 60.0,
+    }
+    with override_settings(**timings):
+        a, b = schedulers(), schedulers()
+        budget = 4 * load_seconds + 10
+        deadline = time.monotonic() + budget
+        while not keys("after-a-long-load") and time.monotonic() < deadline:
+            run_beat(a, b, seconds=1.0)
+    assert keys("after-a-long-load"), f"none in {budget:.0f} s (load {load_seconds:.1f} s, lease {lease:.2f} s)"
+    assert ScheduleCursor.objects.count() == BIG_SCHEDULE + 1
+    assert sum(s.stats.fenced for s in (a, b)) == 0

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -58,6 +57,10 @@ log = logging.getLogger("taskplatform.beat")
 
 #: How often a beat process records itself in ``BeatProcess`` (for ``taskplatform status``).
 HEARTBEAT_SECONDS = 5.0
+
+#: Cursors written per transaction when the schedule is (re)loaded; the lease is renewed
+#: (if due) before each, so a schedule of any size is taken over without losing it.
+CURSOR_CHUNK = 1000
 
 
 @dataclass
@@ -227,33 +230,53 @@ class LockedScheduler(DatabaseScheduler):
 
     # -- schedule and publication --
 
+    def _keep_alive(self) -> None:
+        """Renew the lease if due, in the middle of long work; ``FencedOff`` if it cannot be trusted.
+
+        Called between chunks of a schedule load, of the cursor writes and of a backlog's
+        publication: work longer than the lease (a first load of 100,000 entries takes
+        seconds) must not outlast it, or every new leader loses the lease before it
+        publishes anything, and so does each successor.
+        """
+        if not self.leadership.renew_if_due() or not self.leadership.may_publish():
+            raise FencedOff("the lease can no longer be trusted")
+
     def _sync_table(self, now: datetime, *, first: bool) -> None:
         assert self.table is not None
-        resets, gone = self.table.load(now, first=first)
+        resets, gone = self.table.load(now, first=first, keep_alive=self._keep_alive)
         self._last_sync = time.monotonic()
-        if not (resets or gone):
-            return
-        lease = self.leadership.lease
-        assert lease is not None
         try:
-            with transaction.atomic():
-                check_fence(self.conf.beat_lock_name, lease)
-                if resets:
-                    self._write_cursors(resets, lease.token)
-                if gone:  # a schedule that comes back later starts afresh
-                    ScheduleCursor.objects.filter(name__in=gone).delete()
+            # In chunks, each in a transaction of its own behind a fresh renewal and the fence:
+            # a cursor written alone is as valid as one written with all the others.
+            for start in range(0, len(resets), CURSOR_CHUNK):
+                chunk = [ScheduleCursor(name=n, last_slot=s) for n, s in resets[start : start + CURSOR_CHUNK]]
+                self._keep_alive()
+                lease = self.leadership.lease
+                assert lease is not None
+                with transaction.atomic():
+                    check_fence(self.conf.beat_lock_name, lease)
+                    self._write_cursors(chunk, lease.token)
+            for start in range(0, len(gone), CURSOR_CHUNK):  # a schedule that comes back later starts afresh
+                self._keep_alive()
+                lease = self.leadership.lease
+                assert lease is not None
+                with transaction.atomic():
+                    check_fence(self.conf.beat_lock_name, lease)
+                    ScheduleCursor.objects.filter(name__in=gone[start : start + CURSOR_CHUNK]).delete()
         except Exception:
-            # The table already holds the new cursors; the database does not. Start over from
+            # The table already holds the new cursors; the database may not. Start over from
             # the database on the next tick rather than carry on with the two disagreeing.
             self.table = ScheduleTable(self.conf, self.app)
             self._needs_full_load = True
             raise
 
-    def _write_cursors(self, cursors: Iterable[tuple[str, datetime]], token: int) -> None:
+    def _write_cursors(self, cursors: list[ScheduleCursor], token: int) -> None:
+        for cursor in cursors:
+            cursor.fencing_token = token
         # MySQL/MariaDB upsert on any unique key and refuse a conflict target.
         target = ["name"] if connection.features.supports_update_conflicts_with_target else None
         ScheduleCursor.objects.bulk_create(
-            [ScheduleCursor(name=n, last_slot=s, fencing_token=token) for n, s in cursors],
+            cursors,
             update_conflicts=True,
             unique_fields=target,
             update_fields=["last_slot", "fencing_token", "updated_at"],
@@ -301,20 +324,19 @@ class LockedScheduler(DatabaseScheduler):
 
     def _commit_batch(self, batch: list[tuple[SlotEntry, tuple[datetime, ...], datetime]], now: datetime) -> None:
         assert self.table is not None
-        # Renew between batches too: a large backlog must not outlast the lease.
-        if not self.leadership.renew_if_due() or not self.leadership.may_publish():
-            raise FencedOff("the lease can no longer be trusted")
+        self._keep_alive()  # between batches too: a large backlog must not outlast the lease
         lease = self.leadership.lease
         assert lease is not None
         published = 0
         jobs = JobDefinition.objects.in_bulk([e.job_id for e, slots, _c in batch if slots and e.job_id])
+        cursors = [ScheduleCursor(name=e.name, last_slot=c) for e, _s, c in batch]
         with transaction.atomic():
             check_fence(self.conf.beat_lock_name, lease)
             for entry, slots, _cursor in batch:
                 for slot in slots:
                     self._submit(entry, slot, lease, jobs)
                     published += 1
-            self._write_cursors(((e.name, c) for e, _s, c in batch), lease.token)
+            self._write_cursors(cursors, lease.token)
         for entry, slots, cursor in batch:
             self.table.cursors[entry.name] = cursor
             self.table.reschedule([entry])
