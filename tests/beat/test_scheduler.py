@@ -13,8 +13,10 @@ import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from io import StringIO
+from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -28,13 +30,15 @@ from taskplatform import schedule_job
 from taskplatform.backends import get_lock_backend
 from taskplatform.beat import LockedScheduler
 from taskplatform.conf import platform_settings
+from taskplatform.core import ledger
 from taskplatform.exceptions import ConfigurationError
 from taskplatform.models import Execution, JobDefinition, ScheduleCursor, SchedulerFence
 from taskplatform.scheduling.leadership import FencedOff
 from taskplatform.scheduling.slots import format_slot
 from taskplatform.scheduling.table import ScheduleTable
 from tests.conftest import broker_url, redis_flushdb
-from tests.helpers import event_kinds
+from tests.helpers import event_kinds, wait_for
+from tests.testapp.models import EffectRaw
 
 pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
 
@@ -391,3 +395,44 @@ def test_a_first_load_longer_than_the_lease_does_not_cost_the_leadership(
     assert keys("after-a-long-load"), f"none in {budget:.0f} s (load {load_seconds:.1f} s, lease {lease:.2f} s)"
     assert ScheduleCursor.objects.count() == BIG_SCHEDULE + 1
     assert sum(s.stats.fenced for s in (a, b)) == 0
+
+
+@contextmanager
+def unknown_to_this_process(task_name: str) -> Iterator[None]:
+    """The task is missing from this process's registry, as in a beat still running the
+    previous release during a rolling deploy (the workers already have it)."""
+    celery_app.loader.import_default_modules()
+    task = celery_app.tasks.pop(task_name)
+    try:
+        yield
+    finally:
+        celery_app.tasks[task_name] = task
+
+
+def test_a_slot_that_cannot_be_submitted_is_dead_lettered_and_an_operator_retry_runs_it(
+    schedulers: Callable[[], LockedScheduler], workers: Any
+) -> None:
+    job = every_second_job("rolling-deploy")
+    with unknown_to_this_process("testapp.effect"):
+        leader = schedulers()
+        run_beat(leader, seconds=2.2)
+    rows = list(Execution.objects.filter(job=job).order_by("scheduled_for"))
+    assert rows, "the slots were dropped"
+    slots = [row.scheduled_for for row in rows]
+    assert [(b - a).total_seconds() for a, b in itertools.pairwise(slots)] == [1.0] * (len(slots) - 1)
+    for row in rows:
+        assert row.state == "FAILED"
+        assert row.idempotency_key == f"rolling-deploy@{format_slot(row.scheduled_for)}"  # type: ignore[arg-type]
+        assert row.trigger == "beat" and row.task_name == "testapp.effect"
+        assert "unknown task 'testapp.effect'" in row.last_error
+        assert "dead_lettered" in event_kinds(row.pk)
+    assert leader.stats.dead_lettered == len(rows)
+    cursor = ScheduleCursor.objects.get(name="job:rolling-deploy")
+    assert cursor.last_slot == slots[-1]
+
+    # The release is out (the worker knows the task): the operator retries the first slot.
+    workers.start()
+    first = rows[0]
+    ledger.operator_transition(first.pk, "PENDING", user="operator", reason="task deployed", expected_state="FAILED")
+    wait_for(lambda: Execution.objects.get(pk=first.pk).state == "SUCCEEDED", timeout=60, what="the retried slot")
+    assert list(EffectRaw.objects.filter(phase="started").values_list("key", flat=True)) == [first.idempotency_key]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -43,8 +44,10 @@ from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
 from ..backends import get_lock_backend
 from ..backends.base import Lease, new_owner
 from ..conf import platform_settings
+from ..core import ledger
 from ..core.submission import submit
-from ..exceptions import SubmissionError
+from ..core.types import NewExecution
+from ..exceptions import IdempotencyKeyConflictError, SubmissionError
 from ..models import BeatProcess, JobDefinition, ScheduleCursor, Trigger
 from ..observability.logs import execution_context
 from .config import configuration_problems
@@ -70,6 +73,7 @@ class TickStats:
     ticks: int = 0
     published: int = 0
     dropped: int = 0
+    dead_lettered: int = 0
     fenced: int = 0
     lateness: list[float] = field(default_factory=list)
 
@@ -371,9 +375,67 @@ class LockedScheduler(DatabaseScheduler):
                 transaction.on_commit(
                     lambda: self.app.send_task(entry.task, entry.args, entry.kwargs, **options), robust=True
                 )
-        except (SubmissionError, JobDefinition.DoesNotExist) as exc:
-            # Bad job configuration must not block the other entries: logged, slot dropped.
-            log.error("schedule entry %r slot %s not published: %s", entry.name, key, exc)
+        except IdempotencyKeyConflictError as exc:
+            # The slot has its execution already (an earlier leader published it with the
+            # job's arguments of then): nothing is lost.
+            log.warning("schedule entry %r slot %s already has an execution: %s", entry.name, key, exc)
+        except SubmissionError as exc:
+            # Bad configuration (an unknown task during a rolling deploy, bad arguments) must
+            # not block the other entries, nor lose the slot: it becomes a dead letter the
+            # operator can retry once the cause is fixed.
+            self._dead_letter_slot(entry, slot, key, jobs.get(entry.job_id or 0), exc)
+        except JobDefinition.DoesNotExist as exc:
+            # The job was deleted since the load: its schedule goes too, nothing is owed.
+            log.warning("schedule entry %r slot %s not published: %s", entry.name, key, exc)
+
+    def _dead_letter_slot(
+        self, entry: SlotEntry, slot: datetime, key: str, job: JobDefinition | None, exc: SubmissionError
+    ) -> None:
+        """Record a slot that could not be submitted as a ``FAILED`` execution keyed by its slot.
+
+        The cursor moves past the slot with the rest of the batch, so the row is the slot's
+        only trace: it shows among the console's dead letters with the error, and an
+        operator's "retry now" publishes it. In a savepoint: a slot that cannot even be
+        recorded is logged and does not undo the batch's other publications.
+        """
+        error = f"{type(exc).__name__}: {exc}"
+        spec = NewExecution(
+            idempotency_key=key,
+            task_name=job.task if job is not None else entry.task,
+            args=list(job.args) if job is not None else list(entry.args),
+            kwargs=dict(job.kwargs) if job is not None else dict(entry.kwargs),
+            trigger=Trigger.BEAT,
+            job=job,
+            queue=(job.queue if job is not None else entry.options.get("queue")) or "",
+            priority=job.priority if job is not None else entry.options.get("priority"),
+            scheduled_for=slot,
+        )
+        try:
+            with transaction.atomic():
+                execution, created = ledger.create(spec)
+                if created:
+                    ledger.dead_letter(
+                        execution,
+                        execution.fencing_token,
+                        error=f"slot not submitted: {error}",
+                        traceback=traceback.format_exc(),
+                        worker=f"beat {self.identity}",
+                    )
+        except Exception:
+            log.exception(
+                "schedule entry %r slot %s not published (%s) and could not be recorded", entry.name, key, error
+            )
+            self.stats.dropped += 1
+            return
+        if created:
+            self.stats.dead_lettered += 1
+            log.error(
+                "schedule entry %r slot %s not published (%s): recorded as dead letter %d",
+                entry.name,
+                key,
+                error,
+                execution.pk,
+            )
 
     def _heartbeat(self, now_monotonic: float) -> None:
         if now_monotonic - self._last_heartbeat < HEARTBEAT_SECONDS and self._reported_leading == self._leading:
