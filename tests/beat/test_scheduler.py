@@ -426,7 +426,7 @@ def test_a_slot_that_cannot_be_submitted_is_dead_lettered_and_an_operator_retry_
         assert row.trigger == "beat" and row.task_name == "testapp.effect"
         assert "unknown task 'testapp.effect'" in row.last_error
         assert "dead_lettered" in event_kinds(row.pk)
-    assert leader.stats.dead_lettered == len(rows)
+    assert leader.stats.dead_lettered == len(rows) and leader.stats.published == 0
     cursor = ScheduleCursor.objects.get(name="job:rolling-deploy")
     assert cursor.last_slot == slots[-1]
 

@@ -338,8 +338,7 @@ class LockedScheduler(DatabaseScheduler):
             check_fence(self.conf.beat_lock_name, lease)
             for entry, slots, _cursor in batch:
                 for slot in slots:
-                    self._submit(entry, slot, lease, jobs)
-                    published += 1
+                    published += self._submit(entry, slot, lease, jobs)
             self._write_cursors(cursors, lease.token)
         for entry, slots, cursor in batch:
             self.table.cursors[entry.name] = cursor
@@ -350,7 +349,8 @@ class LockedScheduler(DatabaseScheduler):
         self.stats.published += published
         batch.clear()
 
-    def _submit(self, entry: SlotEntry, slot: datetime, lease: Lease, jobs: dict[int, JobDefinition]) -> None:
+    def _submit(self, entry: SlotEntry, slot: datetime, lease: Lease, jobs: dict[int, JobDefinition]) -> bool:
+        """Submit one slot in the publication transaction; False if it was not published."""
         key = slot_key(entry.key_prefix, slot)
         try:
             if entry.kind == "job":
@@ -375,18 +375,22 @@ class LockedScheduler(DatabaseScheduler):
                 transaction.on_commit(
                     lambda: self.app.send_task(entry.task, entry.args, entry.kwargs, **options), robust=True
                 )
+            return True
         except IdempotencyKeyConflictError as exc:
             # The slot has its execution already (an earlier leader published it with the
             # job's arguments of then): nothing is lost.
             log.warning("schedule entry %r slot %s already has an execution: %s", entry.name, key, exc)
+            return False
         except SubmissionError as exc:
             # Bad configuration (an unknown task during a rolling deploy, bad arguments) must
             # not block the other entries, nor lose the slot: it becomes a dead letter the
             # operator can retry once the cause is fixed.
             self._dead_letter_slot(entry, slot, key, jobs.get(entry.job_id or 0), exc)
+            return False
         except JobDefinition.DoesNotExist as exc:
             # The job was deleted since the load: its schedule goes too, nothing is owed.
             log.warning("schedule entry %r slot %s not published: %s", entry.name, key, exc)
+            return False
 
     def _dead_letter_slot(
         self, entry: SlotEntry, slot: datetime, key: str, job: JobDefinition | None, exc: SubmissionError
