@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -20,9 +21,12 @@ import pytest
 import redis
 from django.db import connection
 from django.utils import timezone
+from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
 from taskplatform import schedule_job
+from taskplatform.backends.redis import RedisLockBackend
 from taskplatform.models import BeatProcess, Execution, JobDefinition, SchedulerFence
+from taskplatform.scheduling.slots import format_slot
 from tests.conftest import BeatFactory, RedisServer, Worker, broker_url, redis_flushdb
 from tests.conftest import test_database_url as database_url
 from tests.helpers import wait_for
@@ -53,28 +57,51 @@ def assert_every_slot_once(slots: list[datetime], first: datetime, last: datetim
     assert window == expected, "a slot was published twice or off the grid"
 
 
-def published_executions() -> list[int]:
-    """The execution id of every message waiting on the test broker (nobody consumes them here)."""
+def broker_messages(queue: str | None = None) -> Counter[str]:
+    """How many messages wait on the test broker for each slot (nobody consumes them here).
+
+    A message names its slot by the ledger key it points at (``tp_key``) or, for a plain
+    Celery entry that has no ledger row, by the slot header the beat gives it
+    (``tp_slot``). Counted per slot, not per ledger row: two leaders publishing one slot
+    collapse onto one row (its key is unique), but not onto one message.
+    """
     client = redis.Redis.from_url(broker_url())
-    ids = []
-    for key in client.scan_iter("celery*"):
-        if client.type(key) == b"list":
-            ids += [int(json.loads(raw)["headers"]["tp_execution"]) for raw in client.lrange(key, 0, -1)]
-    return ids
+    counts: Counter[str] = Counter()
+    for key in [queue.encode()] if queue else client.scan_iter("*"):
+        if client.type(key) != b"list":
+            continue
+        for raw in client.lrange(key, 0, -1):
+            headers = json.loads(raw)["headers"]
+            counts[headers.get("tp_key") or headers["tp_slot"]] += 1
+    return counts
 
 
-def assert_published_once(beats: BeatFactory, *, may_lose_one: bool = False) -> None:
-    """Stop the beats, then: no execution has two messages, and every execution has one.
+def assert_published_once(beats: BeatFactory, *, may_lose_one: bool = False) -> Counter[str]:
+    """Stop the beats, then: every slot on the broker has exactly one message, and every
+    execution has its message.
 
     ``may_lose_one``: a leader killed between its commit and its publication leaves one row
     without a message; the rescuer publishes it later (G1), outside this test's time.
     """
     beats.stop_all()
-    ids = published_executions()
-    assert len(ids) == len(set(ids)), "an execution was published to the broker twice"
-    rows = set(Execution.objects.values_list("pk", flat=True))
-    assert set(ids) <= rows
-    assert len(rows - set(ids)) <= (1 if may_lose_one else 0), "an execution was never published"
+    counts = broker_messages()
+    doubled = {slot: n for slot, n in counts.items() if n != 1}
+    assert not doubled, f"slot(s) published to the broker more than once: {doubled}"
+    rows = set(Execution.objects.values_list("idempotency_key", flat=True))
+    unpublished = rows - set(counts)
+    assert len(unpublished) <= (1 if may_lose_one else 0), f"execution(s) never published: {sorted(unpublished)}"
+    return counts
+
+
+def plain_every_second(name: str, *, queue: str = "") -> PeriodicTask:
+    """A plain Celery entry (no ledger row): only its broker messages show a second publication."""
+    every = IntervalSchedule.objects.get_or_create(every=1, period=IntervalSchedule.SECONDS)[0]
+    return PeriodicTask.objects.create(name=name, task="testapp.plain", args="[1]", interval=every, queue=queue or None)
+
+
+def slot_keys(prefix: str, first: datetime, last: datetime) -> set[str]:
+    """The keys of every 1-second slot from ``first`` to ``last``."""
+    return {f"{prefix}@{format_slot(first + k * SECOND)}" for k in range(int((last - first).total_seconds()) + 1)}
 
 
 def leader_pid() -> int | None:
@@ -98,7 +125,12 @@ def empty_broker() -> None:
 def test_three_beats_publish_every_slot_exactly_once_for_a_minute(
     beats: BeatFactory, workers: Any, private_redis: RedisServer, lock: str
 ) -> None:
+    """Bodies are counted for the job the worker runs; publications are counted as broker
+    messages for a job and a plain entry on a queue no worker consumes (``probe``): the
+    ledger would hide a second publication of a slot, the broker does not."""
     job = every_second_job("every-second")
+    every_second_job("probe-job", queue="probe")
+    plain_every_second("probe-plain", queue="probe")
     workers.start(concurrency=4)
     env = {"TASKPLATFORM_LOCK_URL": "db://" if lock == "db" else private_redis.url}
     for _ in range(3):
@@ -108,6 +140,10 @@ def test_three_beats_publish_every_slot_exactly_once_for_a_minute(
     wait_until(last + 2 * SECOND, "a minute of slots")
 
     assert_every_slot_once(slots_of(job), first, last)
+    probes = broker_messages("probe")
+    for prefix in ("probe-job", "probe-plain"):
+        window = slot_keys(prefix, first + SECOND, last)
+        assert {k: probes[k] for k in window} == dict.fromkeys(window, 1), f"{prefix}: a slot's messages are not 1"
     window = Execution.objects.filter(job=job, scheduled_for__gte=first, scheduled_for__lte=last)
     wait_for(lambda: not window.exclude(state="SUCCEEDED").exists(), timeout=60, what="every slot's execution to run")
     keys = list(window.values_list("idempotency_key", flat=True))
@@ -151,29 +187,58 @@ def test_sigkill_of_the_leader_fails_over_within_ten_seconds_with_no_slot_lost(
     assert_published_once(beats, may_lose_one=True)
 
 
-def test_a_paused_leader_that_wakes_up_publishes_nothing(beats: BeatFactory, empty_broker: None) -> None:
-    """SIGSTOP the leader past its lease; a follower takes over; SIGCONT: the old leader
-    finds its lease gone (or is fenced off) and publishes nothing, not even the slots due
-    while it slept."""
+def test_a_paused_leader_that_wakes_up_publishes_nothing(
+    beats: BeatFactory, private_redis: RedisServer, empty_broker: None
+) -> None:
+    """SIGSTOP the leader; while it sleeps it loses the beat lock (an operator frees it, and
+    the lock server no longer answers the sleeper) and a follower takes over. SIGCONT: the
+    old leader cannot renew, so it trusts its lease for its remaining time and tries to
+    publish the slots due while it slept, which its successor published already. Only the
+    fence stops it: a plain entry (no ledger row to collapse on) would get a second broker
+    message per slot."""
     job = every_second_job("paused-leader")
-    for _ in range(2):
-        beats.start()
+    plain_every_second("paused-plain")
+    admin = redis.Redis.from_url(private_redis.url)
+    users = {}
+    for user in ("beat_a", "beat_b"):  # each beat reaches the lock server as a user of its own
+        admin.execute_command("ACL", "SETUSER", user, "on", ">secret", "~*", "&*", "+@all")
+        env = {
+            "TASKPLATFORM_LOCK_URL": f"redis://{user}:secret@127.0.0.1:{private_redis.port}/0",
+            # A lease long enough that the sleeper wakes up with time left on it.
+            "TASKPLATFORM_BEAT_LEASE_SECONDS": "12",
+        }
+        users[beats.start(env=env).pid] = user
     first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
     old = beats.by_pid(wait_for(leader_pid, timeout=10, what="a leader"))
     os.kill(old.pid, signal.SIGSTOP)
     try:
-        wait_for(lambda: leader_pid() not in (None, old.pid), timeout=30, what="a follower to take over")
+        admin.execute_command("ACL", "SETUSER", users[old.pid], "off")
+        admin.execute_command("CLIENT", "KILL", "USER", users[old.pid])
+        assert RedisLockBackend("admin", {"url": private_redis.url}).force_release(LOCK_NAME)
+        wait_for(lambda: leader_pid() not in (None, old.pid), timeout=15, what="a follower to take over")
+        taken_over = timezone.now()
+        wait_for(
+            lambda: Execution.objects.filter(job=job, scheduled_for__gt=taken_over).exists(),
+            timeout=10,
+            what="the successor to publish",
+        )
     finally:
         os.kill(old.pid, signal.SIGCONT)
     wait_for(
-        lambda: "lost the lease" in old.log() or "stops publishing" in old.log() or "steps down" in old.log(),
-        timeout=15,
-        what="the woken leader to notice",
+        lambda: "stops publishing" in old.log() or "steps down" in old.log(),
+        timeout=20,
+        what="the woken leader to stop",
     )
     wait_until(timezone.now() + 2 * SECOND, "slots after the wake-up")
-    assert_every_slot_once(slots_of(job), first, timezone.now().replace(microsecond=0) - SECOND)
-    assert_published_once(beats)
+    now = timezone.now().replace(microsecond=0) - SECOND
+    assert_every_slot_once(slots_of(job), first, now)
+    counts = assert_published_once(beats)
+    window = slot_keys("paused-plain", first + SECOND, now)
+    assert window <= set(counts), f"plain slots never published: {sorted(window - set(counts))[:3]}"
     assert not Execution.objects.filter(job=job).exclude(trigger="beat").exists()
+    # The scenario happened: the sleeper woke up trusting its lease, tried, and was fenced off.
+    assert "could not renew the beat lease" in old.log()
+    assert "stops publishing" in old.log(), "the woken leader did not try to publish (or was not fenced off)"
 
 
 def test_redis_lock_server_shutdown_leader_steps_down_and_service_resumes(

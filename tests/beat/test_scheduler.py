@@ -13,8 +13,10 @@ import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from io import StringIO
+from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -27,12 +29,16 @@ from config.celery_app import app as celery_app
 from taskplatform import schedule_job
 from taskplatform.backends import get_lock_backend
 from taskplatform.beat import LockedScheduler
+from taskplatform.conf import platform_settings
+from taskplatform.core import ledger
 from taskplatform.exceptions import ConfigurationError
 from taskplatform.models import Execution, JobDefinition, ScheduleCursor, SchedulerFence
 from taskplatform.scheduling.leadership import FencedOff
 from taskplatform.scheduling.slots import format_slot
+from taskplatform.scheduling.table import ScheduleTable
 from tests.conftest import broker_url, redis_flushdb
-from tests.helpers import event_kinds
+from tests.helpers import event_kinds, wait_for
+from tests.testapp.models import EffectRaw
 
 pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
 
@@ -349,3 +355,84 @@ def test_a_removed_schedule_loses_its_cursor_and_starts_afresh_when_it_returns(
     # Owed from the sync before it returned (at most a sync and a tick earlier), not from the
     # old cursor: none of the gap's slots is replayed.
     assert all(slot >= readded_at - timedelta(seconds=1.6) for slot in slots), slots
+
+
+#: Entries enough that loading the schedule takes longer than the (scaled-down) lease
+#: (issue 10: 100,000 jobs never published with the default 6 s lease).
+BIG_SCHEDULE = 40_000
+
+
+def test_a_first_load_longer_than_the_lease_does_not_cost_the_leadership(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    """The new leader loads every entry and writes every cursor before its first publication:
+    when that outlasts the lease, it must keep the lease alive meanwhile, or every leader
+    loses it before publishing anything, again and again."""
+    every_second_job("after-a-long-load")
+    hourly = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.HOURS)
+    PeriodicTask.objects.bulk_create(
+        [PeriodicTask(name=f"bulk-{i:05d}", task="testapp.effect", interval=hourly) for i in range(BIG_SCHEDULE)],
+        batch_size=2000,
+    )
+    # The premise, measured on this machine: loading the schedule alone outlasts the lease.
+    started = time.monotonic()
+    ScheduleTable(platform_settings(), celery_app).load(timezone.now(), first=True)
+    load_seconds = time.monotonic() - started
+    lease = min(2.0, max(0.9, load_seconds / 1.5))
+    assert load_seconds > lease, f"the load took {load_seconds:.2f} s only; raise BIG_SCHEDULE"
+    timings = {
+        "TASKPLATFORM_BEAT_LEASE_SECONDS": lease,
+        "TASKPLATFORM_BEAT_TICK_SECONDS": lease / 3,
+        "TASKPLATFORM_BEAT_STEP_DOWN_SECONDS": lease / 3,
+        "TASKPLATFORM_BEAT_SYNC_SECONDS": 60.0,
+    }
+    with override_settings(**timings):
+        a, b = schedulers(), schedulers()
+        budget = 4 * load_seconds + 10
+        deadline = time.monotonic() + budget
+        while not keys("after-a-long-load") and time.monotonic() < deadline:
+            run_beat(a, b, seconds=1.0)
+    assert keys("after-a-long-load"), f"none in {budget:.0f} s (load {load_seconds:.1f} s, lease {lease:.2f} s)"
+    assert ScheduleCursor.objects.count() == BIG_SCHEDULE + 1
+    assert sum(s.stats.fenced for s in (a, b)) == 0
+
+
+@contextmanager
+def unknown_to_this_process(task_name: str) -> Iterator[None]:
+    """The task is missing from this process's registry, as in a beat still running the
+    previous release during a rolling deploy (the workers already have it)."""
+    celery_app.loader.import_default_modules()
+    task = celery_app.tasks.pop(task_name)
+    try:
+        yield
+    finally:
+        celery_app.tasks[task_name] = task
+
+
+def test_a_slot_that_cannot_be_submitted_is_dead_lettered_and_an_operator_retry_runs_it(
+    schedulers: Callable[[], LockedScheduler], workers: Any
+) -> None:
+    job = every_second_job("rolling-deploy")
+    with unknown_to_this_process("testapp.effect"):
+        leader = schedulers()
+        run_beat(leader, seconds=2.2)
+    rows = list(Execution.objects.filter(job=job).order_by("scheduled_for"))
+    assert rows, "the slots were dropped"
+    slots = [row.scheduled_for for row in rows]
+    assert [(b - a).total_seconds() for a, b in itertools.pairwise(slots)] == [1.0] * (len(slots) - 1)
+    for row in rows:
+        assert row.state == "FAILED"
+        assert row.idempotency_key == f"rolling-deploy@{format_slot(row.scheduled_for)}"  # type: ignore[arg-type]
+        assert row.trigger == "beat" and row.task_name == "testapp.effect"
+        assert "unknown task 'testapp.effect'" in row.last_error
+        assert "dead_lettered" in event_kinds(row.pk)
+    assert leader.stats.dead_lettered == len(rows) and leader.stats.published == 0
+    cursor = ScheduleCursor.objects.get(name="job:rolling-deploy")
+    assert cursor.last_slot == slots[-1]
+
+    # The release is out (the worker knows the task): the operator retries the first slot.
+    workers.start()
+    first = rows[0]
+    ledger.operator_transition(first.pk, "PENDING", user="operator", reason="task deployed", expected_state="FAILED")
+    wait_for(lambda: Execution.objects.get(pk=first.pk).state == "SUCCEEDED", timeout=60, what="the retried slot")
+    assert list(EffectRaw.objects.filter(phase="started").values_list("key", flat=True)) == [first.idempotency_key]

@@ -1,8 +1,16 @@
 """Lock backend on the Django database: one lease row per name, compare-and-set updates.
 
 Works on PostgreSQL, MariaDB and SQLite. Expiry is judged with the database server's clock
-(``NOW()``), never the callers', so hosts with skewed clocks agree. The row is never
+(``UtcNow``), never the callers', so hosts with skewed clocks agree. The row is never
 deleted: its ``fencing_token`` keeps growing across owners and releases.
+
+The server's clock is read in UTC on every database: MariaDB/MySQL's ``NOW()`` (what
+Django's ``Now()`` renders there) is the *session* time zone's wall time, which jumps at
+daylight-saving changes and differs between sessions configured differently. A lease
+written at a fall-back's summer time would look valid for an extra hour to a successor;
+one written in winter time would look expired to a session an hour ahead, letting two
+owners hold it. ``UTC_TIMESTAMP(6)`` has neither hole, and is what Django stores there
+(naive UTC datetimes).
 """
 
 from __future__ import annotations
@@ -22,8 +30,19 @@ from ..models import LockLease
 from .base import Lease, LockBackend, LockInfo, new_owner
 
 
+class UtcNow(Now):
+    """The database server's current time, in UTC whatever the session's time zone.
+
+    PostgreSQL's ``STATEMENT_TIMESTAMP()`` is a ``timestamptz`` (an instant, not a wall
+    time) and SQLite's ``'now'`` is UTC, so only MariaDB/MySQL need another function.
+    """
+
+    def as_mysql(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
+        return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
+
+
 def _now_plus(seconds: float) -> ExpressionWrapper:
-    return ExpressionWrapper(Now() + Value(timedelta(seconds=seconds)), output_field=DateTimeField())
+    return ExpressionWrapper(UtcNow() + Value(timedelta(seconds=seconds)), output_field=DateTimeField())
 
 
 @contextmanager
@@ -53,12 +72,12 @@ class DatabaseLockBackend(LockBackend):
             return int(
                 self._rows()
                 .filter(name=name)
-                .filter(Q(owner="") | Q(expires_at__lte=Now()))
+                .filter(Q(owner="") | Q(expires_at__lte=UtcNow()))
                 .update(
                     owner=owner,
                     fencing_token=F("fencing_token") + 1,
-                    acquired_at=Now(),
-                    renewed_at=Now(),
+                    acquired_at=UtcNow(),
+                    renewed_at=UtcNow(),
                     expires_at=_now_plus(ttl_seconds),
                 )
             )
@@ -82,8 +101,8 @@ class DatabaseLockBackend(LockBackend):
         with _wrapped("renew"):
             rows = (
                 self._rows()
-                .filter(name=lease.name, owner=lease.owner, fencing_token=lease.token, expires_at__gt=Now())
-                .update(renewed_at=Now(), expires_at=_now_plus(ttl))
+                .filter(name=lease.name, owner=lease.owner, fencing_token=lease.token, expires_at__gt=UtcNow())
+                .update(renewed_at=UtcNow(), expires_at=_now_plus(ttl))
             )
         return lease.renewed(ttl, start) if rows == 1 else None
 
@@ -92,14 +111,14 @@ class DatabaseLockBackend(LockBackend):
             rows = (
                 self._rows()
                 .filter(name=lease.name, owner=lease.owner, fencing_token=lease.token)
-                .update(owner="", expires_at=Now())
+                .update(owner="", expires_at=UtcNow())
             )
         return rows == 1
 
     def force_release(self, name: str) -> bool:
         with _wrapped("force_release"):
-            held = self._rows().filter(name=name, expires_at__gt=Now()).exclude(owner="").exists()
-            self._rows().filter(name=name).exclude(owner="").update(owner="", expires_at=Now())
+            held = self._rows().filter(name=name, expires_at__gt=UtcNow()).exclude(owner="").exists()
+            self._rows().filter(name=name).exclude(owner="").update(owner="", expires_at=UtcNow())
         return held
 
     def _infos(self, **filters: Any) -> list[LockInfo]:
@@ -109,7 +128,9 @@ class DatabaseLockBackend(LockBackend):
                 .filter(**filters)
                 .annotate(
                     live=Case(
-                        When(expires_at__gt=Now(), then=Value(True)), default=Value(False), output_field=BooleanField()
+                        When(expires_at__gt=UtcNow(), then=Value(True)),
+                        default=Value(False),
+                        output_field=BooleanField(),
                     )
                 )
             )

@@ -151,14 +151,21 @@ def take_over_fence(name: str, lease: Lease, still_holds: Callable[[], bool]) ->
 def bound_lock_waits(lease: Lease) -> None:
     """In this transaction, on PostgreSQL: wait for the fence row lock at most until the lease
     could be untrusted, and let the server end the transaction if this process stalls inside
-    it (a paused leader must not hold the fence row, and so every successor, indefinitely)."""
+    it (a paused leader must not hold the fence row, and so every successor, indefinitely).
+
+    Both bounds are the lease's remaining time less half a second, so a stalled leader's
+    transaction ends before a successor can hold the lease. Callers renew just before
+    entering the transaction (``LockedScheduler._keep_alive``) and keep the Python work
+    between its statements small (objects are built before it starts), so a healthy
+    leader is never idle that long.
+    """
     if connection.vendor != "postgresql":
         return
-    budget_ms = max(100, int(lease.remaining() * 1000) - 500)
+    budget_ms = max(250, int(lease.remaining() * 1000) - 500)
     with connection.cursor() as cur:  # one round trip; both settings end with the transaction
         cur.execute(
             "SELECT set_config('lock_timeout', %s, true), set_config('idle_in_transaction_session_timeout', %s, true)",
-            [f"{budget_ms}ms", f"{max(budget_ms, 1000)}ms"],
+            [f"{budget_ms}ms", f"{budget_ms}ms"],
         )
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -44,8 +44,10 @@ from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
 from ..backends import get_lock_backend
 from ..backends.base import Lease, new_owner
 from ..conf import platform_settings
+from ..core import ledger
 from ..core.submission import submit
-from ..exceptions import SubmissionError
+from ..core.types import NewExecution
+from ..exceptions import IdempotencyKeyConflictError, SubmissionError
 from ..models import BeatProcess, JobDefinition, ScheduleCursor, Trigger
 from ..observability.logs import execution_context
 from .config import configuration_problems
@@ -59,6 +61,10 @@ log = logging.getLogger("taskplatform.beat")
 #: How often a beat process records itself in ``BeatProcess`` (for ``taskplatform status``).
 HEARTBEAT_SECONDS = 5.0
 
+#: Cursors written per transaction when the schedule is (re)loaded; the lease is renewed
+#: (if due) before each, so a schedule of any size is taken over without losing it.
+CURSOR_CHUNK = 1000
+
 
 @dataclass
 class TickStats:
@@ -67,6 +73,7 @@ class TickStats:
     ticks: int = 0
     published: int = 0
     dropped: int = 0
+    dead_lettered: int = 0
     fenced: int = 0
     lateness: list[float] = field(default_factory=list)
 
@@ -227,33 +234,53 @@ class LockedScheduler(DatabaseScheduler):
 
     # -- schedule and publication --
 
+    def _keep_alive(self) -> None:
+        """Renew the lease if due, in the middle of long work; ``FencedOff`` if it cannot be trusted.
+
+        Called between chunks of a schedule load, of the cursor writes and of a backlog's
+        publication: work longer than the lease (a first load of 100,000 entries takes
+        seconds) must not outlast it, or every new leader loses the lease before it
+        publishes anything, and so does each successor.
+        """
+        if not self.leadership.renew_if_due() or not self.leadership.may_publish():
+            raise FencedOff("the lease can no longer be trusted")
+
     def _sync_table(self, now: datetime, *, first: bool) -> None:
         assert self.table is not None
-        resets, gone = self.table.load(now, first=first)
+        resets, gone = self.table.load(now, first=first, keep_alive=self._keep_alive)
         self._last_sync = time.monotonic()
-        if not (resets or gone):
-            return
-        lease = self.leadership.lease
-        assert lease is not None
         try:
-            with transaction.atomic():
-                check_fence(self.conf.beat_lock_name, lease)
-                if resets:
-                    self._write_cursors(resets, lease.token)
-                if gone:  # a schedule that comes back later starts afresh
-                    ScheduleCursor.objects.filter(name__in=gone).delete()
+            # In chunks, each in a transaction of its own behind a fresh renewal and the fence:
+            # a cursor written alone is as valid as one written with all the others.
+            for start in range(0, len(resets), CURSOR_CHUNK):
+                chunk = [ScheduleCursor(name=n, last_slot=s) for n, s in resets[start : start + CURSOR_CHUNK]]
+                self._keep_alive()
+                lease = self.leadership.lease
+                assert lease is not None
+                with transaction.atomic():
+                    check_fence(self.conf.beat_lock_name, lease)
+                    self._write_cursors(chunk, lease.token)
+            for start in range(0, len(gone), CURSOR_CHUNK):  # a schedule that comes back later starts afresh
+                self._keep_alive()
+                lease = self.leadership.lease
+                assert lease is not None
+                with transaction.atomic():
+                    check_fence(self.conf.beat_lock_name, lease)
+                    ScheduleCursor.objects.filter(name__in=gone[start : start + CURSOR_CHUNK]).delete()
         except Exception:
-            # The table already holds the new cursors; the database does not. Start over from
+            # The table already holds the new cursors; the database may not. Start over from
             # the database on the next tick rather than carry on with the two disagreeing.
             self.table = ScheduleTable(self.conf, self.app)
             self._needs_full_load = True
             raise
 
-    def _write_cursors(self, cursors: Iterable[tuple[str, datetime]], token: int) -> None:
+    def _write_cursors(self, cursors: list[ScheduleCursor], token: int) -> None:
+        for cursor in cursors:
+            cursor.fencing_token = token
         # MySQL/MariaDB upsert on any unique key and refuse a conflict target.
         target = ["name"] if connection.features.supports_update_conflicts_with_target else None
         ScheduleCursor.objects.bulk_create(
-            [ScheduleCursor(name=n, last_slot=s, fencing_token=token) for n, s in cursors],
+            cursors,
             update_conflicts=True,
             unique_fields=target,
             update_fields=["last_slot", "fencing_token", "updated_at"],
@@ -301,20 +328,18 @@ class LockedScheduler(DatabaseScheduler):
 
     def _commit_batch(self, batch: list[tuple[SlotEntry, tuple[datetime, ...], datetime]], now: datetime) -> None:
         assert self.table is not None
-        # Renew between batches too: a large backlog must not outlast the lease.
-        if not self.leadership.renew_if_due() or not self.leadership.may_publish():
-            raise FencedOff("the lease can no longer be trusted")
+        self._keep_alive()  # between batches too: a large backlog must not outlast the lease
         lease = self.leadership.lease
         assert lease is not None
         published = 0
         jobs = JobDefinition.objects.in_bulk([e.job_id for e, slots, _c in batch if slots and e.job_id])
+        cursors = [ScheduleCursor(name=e.name, last_slot=c) for e, _s, c in batch]
         with transaction.atomic():
             check_fence(self.conf.beat_lock_name, lease)
             for entry, slots, _cursor in batch:
                 for slot in slots:
-                    self._submit(entry, slot, lease, jobs)
-                    published += 1
-            self._write_cursors(((e.name, c) for e, _s, c in batch), lease.token)
+                    published += self._submit(entry, slot, lease, jobs)
+            self._write_cursors(cursors, lease.token)
         for entry, slots, cursor in batch:
             self.table.cursors[entry.name] = cursor
             self.table.reschedule([entry])
@@ -324,7 +349,8 @@ class LockedScheduler(DatabaseScheduler):
         self.stats.published += published
         batch.clear()
 
-    def _submit(self, entry: SlotEntry, slot: datetime, lease: Lease, jobs: dict[int, JobDefinition]) -> None:
+    def _submit(self, entry: SlotEntry, slot: datetime, lease: Lease, jobs: dict[int, JobDefinition]) -> bool:
+        """Submit one slot in the publication transaction; False if it was not published."""
         key = slot_key(entry.key_prefix, slot)
         try:
             if entry.kind == "job":
@@ -349,9 +375,71 @@ class LockedScheduler(DatabaseScheduler):
                 transaction.on_commit(
                     lambda: self.app.send_task(entry.task, entry.args, entry.kwargs, **options), robust=True
                 )
-        except (SubmissionError, JobDefinition.DoesNotExist) as exc:
-            # Bad job configuration must not block the other entries: logged, slot dropped.
-            log.error("schedule entry %r slot %s not published: %s", entry.name, key, exc)
+            return True
+        except IdempotencyKeyConflictError as exc:
+            # The slot has its execution already (an earlier leader published it with the
+            # job's arguments of then): nothing is lost.
+            log.warning("schedule entry %r slot %s already has an execution: %s", entry.name, key, exc)
+            return False
+        except SubmissionError as exc:
+            # Bad configuration (an unknown task during a rolling deploy, bad arguments) must
+            # not block the other entries, nor lose the slot: it becomes a dead letter the
+            # operator can retry once the cause is fixed.
+            self._dead_letter_slot(entry, slot, key, jobs.get(entry.job_id or 0), exc)
+            return False
+        except JobDefinition.DoesNotExist as exc:
+            # The job was deleted since the load: its schedule goes too, nothing is owed.
+            log.warning("schedule entry %r slot %s not published: %s", entry.name, key, exc)
+            return False
+
+    def _dead_letter_slot(
+        self, entry: SlotEntry, slot: datetime, key: str, job: JobDefinition | None, exc: SubmissionError
+    ) -> None:
+        """Record a slot that could not be submitted as a ``FAILED`` execution keyed by its slot.
+
+        The cursor moves past the slot with the rest of the batch, so the row is the slot's
+        only trace: it shows among the console's dead letters with the error, and an
+        operator's "retry now" publishes it. In a savepoint: a slot that cannot even be
+        recorded is logged and does not undo the batch's other publications.
+        """
+        error = f"{type(exc).__name__}: {exc}"
+        spec = NewExecution(
+            idempotency_key=key,
+            task_name=job.task if job is not None else entry.task,
+            args=list(job.args) if job is not None else list(entry.args),
+            kwargs=dict(job.kwargs) if job is not None else dict(entry.kwargs),
+            trigger=Trigger.BEAT,
+            job=job,
+            queue=(job.queue if job is not None else entry.options.get("queue")) or "",
+            priority=job.priority if job is not None else entry.options.get("priority"),
+            scheduled_for=slot,
+        )
+        try:
+            with transaction.atomic():
+                execution, created = ledger.create(spec)
+                if created:
+                    ledger.dead_letter(
+                        execution,
+                        execution.fencing_token,
+                        error=f"slot not submitted: {error}",
+                        traceback=traceback.format_exc(),
+                        worker=f"beat {self.identity}",
+                    )
+        except Exception:
+            log.exception(
+                "schedule entry %r slot %s not published (%s) and could not be recorded", entry.name, key, error
+            )
+            self.stats.dropped += 1
+            return
+        if created:
+            self.stats.dead_lettered += 1
+            log.error(
+                "schedule entry %r slot %s not published (%s): recorded as dead letter %d",
+                entry.name,
+                key,
+                error,
+                execution.pk,
+            )
 
     def _heartbeat(self, now_monotonic: float) -> None:
         if now_monotonic - self._last_heartbeat < HEARTBEAT_SECONDS and self._reported_leading == self._leading:

@@ -11,7 +11,7 @@ import hashlib
 import heapq
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -29,6 +29,9 @@ log = logging.getLogger("taskplatform.beat")
 
 #: The task a plain django-celery-beat entry uses to trigger a job by slug.
 TRIGGER_TASK = "taskplatform.trigger_job"
+
+#: Rows built between two calls of ``load``'s ``keep_alive`` (a few tens of milliseconds).
+KEEP_ALIVE_EVERY = 500
 
 
 @dataclass
@@ -163,11 +166,17 @@ class ScheduleTable:
         if upcoming is not None:
             heapq.heappush(self.heap, (upcoming, entry.name, entry.generation))
 
-    def load(self, now: datetime, *, first: bool) -> tuple[list[tuple[str, datetime]], list[str]]:
+    def load(
+        self, now: datetime, *, first: bool, keep_alive: Callable[[], None] | None = None
+    ) -> tuple[list[tuple[str, datetime]], list[str]]:
         """Re-read the schedule tables; returns cursors to (re)set ``(name, slot)`` and to delete.
 
         ``first``: this process just became leader, so cursors are read from the database
         and nothing is known about earlier digests.
+
+        ``keep_alive`` is called every ``KEEP_ALIVE_EVERY`` rows (building an entry costs
+        tens of microseconds, so a large schedule takes seconds): the leader renews its lease
+        there, or raises to stop when it cannot.
 
         An entry that is new, edited, re-enabled or repaired since the previous load is owed
         slots from that previous load on (it changed after it): an edit is not a misfire of
@@ -191,7 +200,9 @@ class ScheduleTable:
         self.loaded_at = now
         resets: list[tuple[str, datetime]] = []
         seen: set[str] = set()
-        for row in rows:
+        for index, row in enumerate(rows):
+            if keep_alive is not None and index % KEEP_ALIVE_EVERY == 0:
+                keep_alive()
             name = row["name"]
             seen.add(name)
             shadowed = _shadowed_trigger(row, linked)
