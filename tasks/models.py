@@ -53,11 +53,17 @@ class ApiToken(models.Model):
     def __str__(self) -> str:
         return f"{self.name} ({self.user})"
 
+    @staticmethod
+    def new_key() -> tuple[str, str]:
+        """A fresh random key and its hash: keep the hash, hand the key to the client once."""
+        raw = secrets.token_urlsafe(32)
+        return raw, hash_token(raw)
+
     @classmethod
     def issue(cls, user: models.Model, name: str) -> tuple[ApiToken, str]:
         """Create a token; the raw key is returned once and never stored."""
-        raw = secrets.token_urlsafe(32)
-        return cls.objects.create(user=user, name=name, key_hash=hash_token(raw)), raw
+        raw, key_hash = cls.new_key()
+        return cls.objects.create(user=user, name=name, key_hash=key_hash), raw
 
 
 class ClientRequest(models.Model):

@@ -6,14 +6,22 @@ apply to token requests). Anonymous requests get ``401``.
 
 ``POST`` endpoints take an optional ``Idempotency-Key`` header, scoped to the user. The first
 request with a key answers ``202 Accepted`` with ``Location: /api/executions/<id>``; the same
-request again answers ``200 OK`` with the same execution; the same key on a different request
+request again answers ``200 OK`` with the same execution (the same JSON however it is
+formatted: whitespace and key order do not matter); the same key on a different request
 is ``422``. Invalid input is ``400`` with a message, a body above
 ``TASKPLATFORM_MAX_ARGS_BYTES`` is ``413``; nothing is recorded in either case.
+
+Operator endpoints use the admin's permissions, not ``is_staff`` alone: starting a
+reconciliation or an inventory sync needs ``taskplatform.run_jobdefinition`` (the console's
+"Run now"), reading another user's execution needs ``taskplatform.view_execution``. A user
+without them gets ``403`` (``404`` for an execution), as the admin refuses them too.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from collections.abc import Callable
 from datetime import date
 from functools import wraps
@@ -30,7 +38,14 @@ from django.views.decorators.http import require_GET, require_POST
 
 from taskplatform import submit_or_get
 from taskplatform.exceptions import SubmissionError
-from taskplatform.http import HttpError, error_response, execution_payload, idempotency_key_of, json_body
+from taskplatform.http import (
+    HttpError,
+    canonical_json,
+    error_response,
+    execution_payload,
+    idempotency_key_of,
+    json_body,
+)
 from taskplatform.http import submission_response as platform_submission_response
 from taskplatform.models import Execution
 
@@ -72,9 +87,30 @@ def api_auth(view: View) -> View:
     return wrapper
 
 
-def _fingerprint(request: HttpRequest) -> str:
+#: The permission to start operator jobs from the API (the console's "Run now" on a job).
+RUN_PERMISSION = "taskplatform.run_jobdefinition"
+#: The permission to read any execution (the console's execution list).
+VIEW_EXECUTIONS_PERMISSION = "taskplatform.view_execution"
+#: The one documented form of ``day``: ``date.fromisoformat`` also takes ``20261101``,
+#: ``2026-W44-1`` and more, which would name the same day under another idempotency key.
+DAY_FORMAT = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+
+def _fingerprints(request: HttpRequest) -> tuple[str, str]:
+    """The request's fingerprint over canonical JSON, and the raw-body one older rows hold.
+
+    The same JSON sent again with other whitespace or key order is the same request (a
+    client library may re-serialise it on retry), so the body is compared in canonical form.
+    Rows written before that change hold a hash of the raw body; they are still honoured.
+    """
     method = (request.method or "").encode()
-    return hashlib.sha256(b"%s %s\n%s" % (method, request.path.encode(), request.body)).hexdigest()
+    head = b"%s %s\n" % (method, request.path.encode())
+    raw = hashlib.sha256(head + request.body).hexdigest()
+    try:
+        body = canonical_json(json.loads(request.body)).encode()
+    except (ValueError, RecursionError):  # the views parse the body first; be safe anyway
+        return raw, raw
+    return hashlib.sha256(head + body).hexdigest(), raw
 
 
 def _user(request: HttpRequest) -> User:
@@ -95,11 +131,11 @@ def submit_for(request: HttpRequest, task: str, args: list[Any], kwargs: dict[st
                 user=user, key=f"auto:{execution.pk}", defaults={"fingerprint": "", "execution": execution}
             )
         return _respond(execution, created)
-    fingerprint = _fingerprint(request)
+    fingerprint, raw_fingerprint = _fingerprints(request)
     for _attempt in range(2):  # a concurrent replay of the same key loses the insert race once
         previous = ClientRequest.objects.select_related("execution").filter(user=user, key=client_key).first()
         if previous is not None:
-            if previous.fingerprint != fingerprint:
+            if previous.fingerprint not in (fingerprint, raw_fingerprint):
                 raise HttpError(
                     422, "idempotency_key_conflict",
                     f"Idempotency-Key {client_key!r} was used for a different request; use a new key",
@@ -149,9 +185,11 @@ def request_coupon(request: HttpRequest) -> HttpResponse:
     return submit_for(request, "tasks.issue_coupon", [campaign, request.user.pk], {})
 
 
-def _require_staff(request: HttpRequest) -> None:
-    if not _user(request).is_staff:
-        raise HttpError(403, "forbidden", "operators only (staff users)")
+def _require_run_permission(request: HttpRequest) -> None:
+    """Operators who may run jobs in the console may start them here; nobody else."""
+    user = _user(request)
+    if not (user.is_staff and user.has_perm(RUN_PERMISSION)):
+        raise HttpError(403, "forbidden", f"operators with the {RUN_PERMISSION!r} permission only")
 
 
 def _only(data: dict[str, Any], allowed: set[str]) -> None:
@@ -164,17 +202,17 @@ def _only(data: dict[str, Any], allowed: set[str]) -> None:
 @api_auth
 @handles_errors
 def request_reconciliation(request: HttpRequest) -> HttpResponse:
-    """``POST /api/reconciliations/`` ``{"day": "YYYY-MM-DD", "shards": 4}`` (staff): reconcile a day.
+    """``POST /api/reconciliations/`` ``{"day": "YYYY-MM-DD", "shards": 4}`` (run permission): reconcile a day.
 
     Shards are keyed by day and shard count, so re-running a day resumes it: finished shards
     are not run again.
     """
-    _require_staff(request)
+    _require_run_permission(request)
     data = json_body(request)
     _only(data, {"day", "shards"})
     day, shards = data.get("day"), data.get("shards", 4)
     try:
-        parsed = date.fromisoformat(day) if isinstance(day, str) else None
+        parsed = date.fromisoformat(day) if isinstance(day, str) and DAY_FORMAT.fullmatch(day) else None
     except ValueError:
         parsed = None
     if parsed is None:
@@ -190,8 +228,8 @@ def request_reconciliation(request: HttpRequest) -> HttpResponse:
 @api_auth
 @handles_errors
 def request_inventory_sync(request: HttpRequest) -> HttpResponse:
-    """``POST /api/inventory/sync`` ``{}`` (staff): push stock levels downstream now."""
-    _require_staff(request)
+    """``POST /api/inventory/sync`` ``{}`` (run permission): push stock levels downstream now."""
+    _require_run_permission(request)
     _only(json_body(request), set())
     return submit_for(request, "tasks.sync_inventory", [], {})
 
@@ -199,10 +237,13 @@ def request_inventory_sync(request: HttpRequest) -> HttpResponse:
 @require_GET
 @api_auth
 def execution_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    """``GET /api/executions/<id>``: state, result and events; the requester's own, or any for staff."""
+    """``GET /api/executions/<id>``: state, result and events: the requester's own, or any
+    for a staff user with ``taskplatform.view_execution`` (what the console's list needs)."""
     execution = Execution.objects.filter(pk=pk).first()
+    user = _user(request)
     allowed = execution is not None and (
-        _user(request).is_staff or ClientRequest.objects.filter(user=_user(request), execution=execution).exists()
+        (user.is_staff and user.has_perm(VIEW_EXECUTIONS_PERMISSION))
+        or ClientRequest.objects.filter(user=user, execution=execution).exists()
     )
     if not allowed:
         return JsonResponse({"error": "not_found", "detail": f"no execution {pk} of yours"}, status=404)

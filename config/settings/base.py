@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,25 @@ def database_from_env(default_sqlite: Path) -> dict[str, Any]:
             config.setdefault("OPTIONS", {}).setdefault("charset", "utf8mb4")
         return config
     default_sqlite.parent.mkdir(parents=True, exist_ok=True)
+    private_sqlite_file(default_sqlite)
     return {"ENGINE": "django.db.backends.sqlite3", "NAME": str(default_sqlite), "OPTIONS": sqlite_options()}
+
+
+def private_sqlite_file(path: Path) -> None:
+    """Create the embedded database owner-only (0600), and tighten one made before.
+
+    It holds password and API-token hashes and every job's arguments, like the other
+    secrets in ``var/``. SQLite gives its ``-wal`` and ``-shm`` files the database file's
+    mode, so creating the (empty) file first, whatever the umask, covers them too; files
+    left by an older checkout are tightened here. Another user's file is left alone.
+    """
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        for name in (path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")):
+            if name.exists() and stat.S_IMODE(name.stat().st_mode) & 0o077:
+                name.chmod(0o600)
+    except OSError:  # a read-only checkout or someone else's file: SQLite will say what is wrong
+        pass
 
 
 def sqlite_options() -> dict[str, Any]:

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 from django.db import connection
 from django.db.models import Count
 from django.test import Client
@@ -81,6 +81,46 @@ def test_a_new_request_is_accepted_and_the_same_request_again_returns_the_same_e
     assert Campaign.objects.get().stock == 99
 
 
+def test_the_same_json_reformatted_under_the_same_key_is_the_same_request(alice: User, campaign: Campaign) -> None:
+    client = token_client(alice)
+    first = post(client, None, key="k", raw=b'{"campaign":"winter"}')
+    assert first.status_code == 202
+    for raw in (b'{ "campaign" : "winter" }', b'\n{\n  "campaign": "winter"\n}\n', b'{"campaign":"w\\u0069nter"}'):
+        again = post(client, None, key="k", raw=raw)
+        assert again.status_code == 200 and again.json()["id"] == first.json()["id"], raw
+    assert post(client, None, key="k", raw=b'{"campaign": "winter", "campaign": "winter"}').status_code == 200
+    Campaign.objects.create(slug="spring", name="Spring", stock=5)
+    assert post(client, {"campaign": "spring"}, key="k").status_code == 422
+    assert Execution.objects.count() == 1 and ClientRequest.objects.count() == 1
+
+
+def test_key_order_does_not_change_the_request() -> None:
+    """Two keys in either order: the reconciliation body, under one Idempotency-Key."""
+    ops = operator_client("run_jobdefinition")
+    headers = {"HTTP_IDEMPOTENCY_KEY": "day-1"}
+    url = "/api/reconciliations/"
+    first = ops.post(url, data='{"day": "2026-11-01", "shards": 2}', content_type="application/json", **headers)
+    assert first.status_code == 202
+    again = ops.post(url, data='{"shards":2,"day":"2026-11-01"}', content_type="application/json", **headers)
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+    other = ops.post(url, data='{"shards": 3, "day": "2026-11-01"}', content_type="application/json", **headers)
+    assert other.status_code == 422
+
+
+def test_a_key_recorded_with_a_raw_body_fingerprint_still_matches_its_request(alice: User, campaign: Campaign) -> None:
+    """Rows written before fingerprints were canonical hold a hash of the raw body."""
+    import hashlib
+
+    client = token_client(alice)
+    raw = b'{ "campaign":   "winter" }'
+    assert post(client, None, key="old", raw=raw).status_code == 202
+    ClientRequest.objects.filter(key="old").update(
+        fingerprint=hashlib.sha256(b"POST /api/coupons/\n" + raw).hexdigest()
+    )
+    assert post(client, None, key="old", raw=raw).status_code == 200
+    assert post(client, None, key="old", raw=b'{"campaign":"winter"}').status_code == 422
+
+
 def test_the_same_key_for_a_different_request_is_refused(alice: User, campaign: Campaign) -> None:
     Campaign.objects.create(slug="spring", name="Spring", stock=5)
     client = token_client(alice)
@@ -103,6 +143,15 @@ def test_the_same_key_for_a_different_request_is_refused(alice: User, campaign: 
         ({"campaign": "winter", "user": 1}, None, {}, "unknown field(s): user"),
         ({"campaign": "winter"}, None, {"HTTP_IDEMPOTENCY_KEY": "x" * 201}, "Idempotency-Key must be"),
         (None, b"[" * 5000 + b"]" * 5000, {}, "nests too deeply"),
+        # Strings json.loads accepts but UTF-8 (a lone surrogate) or PostgreSQL (NUL) cannot hold.
+        (None, b'{"campaign": "\\ud800"}', {}, "$.campaign holds a lone surrogate"),
+        (None, b'{"campaign": "winter", "\\udfff": 1}', {}, "a key in $ holds a lone surrogate"),
+        (None, b'{"campaign": ["a", {"b": "x\\udc00y"}]}', {}, "$.campaign[1].b holds a lone surrogate"),
+        (None, b'{"campaign": "win\\u0000ter"}', {}, "holds a NUL character"),
+        # Python's json takes NaN/Infinity and turns 1e999 into inf; none of them is JSON.
+        (None, b'{"campaign": NaN}', {}, "NaN is not a JSON value"),
+        (None, b'{"campaign": -Infinity}', {}, "-Infinity is not a JSON value"),
+        (None, b'{"campaign": 1e999}', {}, "too large for a float"),
     ],
 )
 def test_bad_input_is_a_400_with_a_message_and_records_nothing(
@@ -135,13 +184,28 @@ def test_a_session_request_needs_its_csrf_token(alice: User, campaign: Campaign)
     assert response.status_code == 202
 
 
-def test_an_execution_is_visible_to_its_requester_and_staff_only(alice: User, campaign: Campaign) -> None:
+def operator_client(*codenames: str, username: str = "ops") -> Client:
+    """An API client for a staff user holding the given ``taskplatform`` permissions."""
+    user = User.objects.create_user(username, is_staff=True)
+    user.user_permissions.add(
+        *Permission.objects.filter(content_type__app_label="taskplatform", codename__in=codenames)
+    )
+    return token_client(user)
+
+
+def test_an_execution_is_visible_to_its_requester_and_operators_who_may_view_executions_only(
+    alice: User, campaign: Campaign
+) -> None:
     created = post(token_client(alice), {"campaign": "winter"}).json()
     bob = User.objects.create_user("bob")
-    staff = User.objects.create_user("ops", is_staff=True)
     location = f"/api/executions/{created['id']}"
     assert token_client(bob).get(location).status_code == 404
-    assert token_client(staff).get(location).status_code == 200
+    # Staff without the permission: the admin shows them no execution, neither does the API.
+    assert operator_client(username="bare-staff").get(location).status_code == 404
+    assert operator_client("run_jobdefinition", username="runner").get(location).status_code == 404
+    assert operator_client("view_execution").get(location).status_code == 200
+    superuser = User.objects.create_superuser("root")
+    assert token_client(superuser).get(location).status_code == 200
     assert token_client(alice).get(location).json()["state"] in {"PENDING", "RUNNING", "SUCCEEDED"}
     assert token_client(alice).get("/api/executions/999999").status_code == 404
 
@@ -185,10 +249,17 @@ def test_a_burst_of_1000_requests_for_100_coupons_issues_exactly_100(workers: An
         ({"day": "2026-11-01", "shards": 0}, "'shards' must be an integer from 1 to 64"),
         ({"day": "2026-11-01", "shards": True}, "'shards' must be an integer"),
         ({"day": "2026-11-01", "extra": 1}, "unknown field(s): extra"),
+        # Other ISO 8601 spellings date.fromisoformat accepts: only YYYY-MM-DD is documented.
+        ({"day": "20261101"}, "'day' must be a date, YYYY-MM-DD"),
+        ({"day": "2026-W44-7"}, "'day' must be a date, YYYY-MM-DD"),
+        ({"day": "2026W447"}, "'day' must be a date, YYYY-MM-DD"),
+        ({"day": "2026-11-01 "}, "'day' must be a date, YYYY-MM-DD"),
+        ({"day": "\uff12\uff10\uff12\uff16-11-01"}, "'day' must be a date, YYYY-MM-DD"),  # full-width digits
+        ({"day": "2026-02-30"}, "'day' must be a date, YYYY-MM-DD"),
     ],
 )
 def test_reconciliation_requests_are_validated(body: dict[str, Any], fragment: str) -> None:
-    ops = token_client(User.objects.create_user("ops", is_staff=True))
+    ops = operator_client("run_jobdefinition")
     response = ops.post("/api/reconciliations/", data=json.dumps(body), content_type="application/json")
     assert response.status_code == 400 and fragment in response.json()["detail"]
     assert not Execution.objects.exists()
@@ -197,7 +268,7 @@ def test_reconciliation_requests_are_validated(body: dict[str, Any], fragment: s
 def test_operator_endpoints_are_for_staff_and_a_rerun_of_a_day_resumes_it(workers: Any) -> None:
     workers.start(concurrency=2)
     alice = token_client(User.objects.create_user("alice"))
-    ops = token_client(User.objects.create_user("ops", is_staff=True))
+    ops = operator_client("run_jobdefinition", "view_execution")
     body = json.dumps({"day": "2026-11-01", "shards": 2})
     forbidden = alice.post("/api/reconciliations/", data=body, content_type="application/json")
     assert forbidden.status_code == 403
@@ -217,3 +288,40 @@ def test_operator_endpoints_are_for_staff_and_a_rerun_of_a_day_resumes_it(worker
                     what="the re-run")  # fmt: skip
     assert done["result"]["submitted"] == 0  # ... which finds both shards done
     assert Execution.objects.filter(task_name="tasks.reconcile_payment_shard").count() == 2
+
+
+@pytest.mark.parametrize(
+    ("url", "body"),
+    [
+        ("/api/reconciliations/", {"day": "2026-11-01", "shards": 2}),
+        ("/api/inventory/sync", {}),
+    ],
+)
+def test_starting_operator_jobs_needs_the_run_permission_not_just_staff(url: str, body: dict[str, Any]) -> None:
+    """A staff user the admin refuses everything is refused here too; "Run now" rights start jobs."""
+    for client in (
+        operator_client(username="bare-staff"),
+        operator_client("view_execution", "view_jobdefinition", username="viewer"),
+    ):
+        response = client.post(url, data=json.dumps(body), content_type="application/json")
+        assert response.status_code == 403 and "run_jobdefinition" in response.json()["detail"]
+    assert not Execution.objects.exists()
+    allowed = operator_client("run_jobdefinition").post(url, data=json.dumps(body), content_type="application/json")
+    assert allowed.status_code == 202
+    # The permission without staff status: the admin would not let them in either.
+    outsider = User.objects.create_user("outsider")
+    outsider.user_permissions.add(Permission.objects.get(codename="run_jobdefinition"))
+    refused = token_client(outsider).post(url, data=json.dumps(body), content_type="application/json")
+    assert refused.status_code == 403
+
+
+def test_metrics_need_the_view_execution_permission_not_just_staff() -> None:
+    for username, codenames, status in (("bare", (), 401), ("runner", ("run_jobdefinition",), 401),
+                                        ("viewer", ("view_execution",), 200)):  # fmt: skip
+        user = User.objects.create_user(username, password="pw", is_staff=True)
+        user.user_permissions.add(
+            *Permission.objects.filter(content_type__app_label="taskplatform", codename__in=codenames)
+        )
+        browser = Client()
+        browser.login(username=username, password="pw")
+        assert browser.get("/metrics").status_code == status, username

@@ -122,6 +122,50 @@ def test_an_illegal_request_is_refused_with_a_message_and_changes_nothing() -> N
     assert running.state == State.RUNNING and not operator_events(running)
 
 
+@pytest.mark.parametrize(
+    ("action", "codename", "state", "target"),
+    [
+        ("cancel", "cancel_execution", State.PENDING, State.CANCELLED),
+        ("retry_now", "retry_execution", State.FAILED, State.PENDING),
+        ("requeue_dead_letters", "retry_execution", State.FAILED, State.PENDING),
+    ],
+)
+def test_an_action_acts_only_on_the_selected_rows_whatever_expected_fields_are_posted(
+    action: str, codename: str, state: str, target: str
+) -> None:
+    """Selecting row B with a forged ``expected_<A>`` field must not touch A."""
+    victim, selected = make_execution(f"{action}-victim", state), make_execution(f"{action}-selected", state)
+    client = operator(codename)
+    forged = {f"expected_{victim.pk}": f"{state}:{victim.fencing_token}"}
+    done = act(client, action, [selected], reason="only the selected one", **forged)
+    assert b"1 execution(s) changed" in done.content
+    victim.refresh_from_db()
+    selected.refresh_from_db()
+    assert (victim.state, selected.state) == (state, target)
+    assert not operator_events(victim) and len(operator_events(selected)) == 1
+    # Only forged fields, for rows not selected: nothing at all changes.
+    other = make_execution(f"{action}-other", state)
+    only_forged = {"action": action, "_selected_action": [other.pk], "confirm": "yes", "reason": "x", **forged}
+    response = client.post(CHANGELIST, only_forged, follow=True)
+    assert b"Nothing was selected" in response.content
+    victim.refresh_from_db()
+    other.refresh_from_db()
+    assert (victim.state, other.state) == (state, state)
+    assert not operator_events(victim) and not operator_events(other)
+
+
+def test_odd_expected_fields_are_ignored_not_a_500() -> None:
+    pending = make_execution("odd-1", State.PENDING)
+    client = operator("cancel_execution")
+    from urllib.parse import urlencode
+
+    odd = {"expected_" + "9" * 5000: "PENDING", "expected_\u0661": "PENDING", "expected_-1": "PENDING"}
+    form = {"action": "cancel", "_selected_action": pending.pk, "confirm": "yes", "reason": "odd fields", **odd}
+    form[f"expected_{pending.pk}"] = "PENDING"
+    response = client.post(CHANGELIST, urlencode(form), content_type="application/x-www-form-urlencoded", follow=True)
+    assert response.status_code == 200 and b"1 execution(s) changed" in response.content
+
+
 def test_requeue_dead_letters_leaves_other_selected_rows_alone() -> None:
     dead, done = make_execution("dead-1", State.FAILED), make_execution("done-1", State.SUCCEEDED)
     client = operator("retry_execution")
@@ -261,6 +305,43 @@ def test_run_now_twice_with_the_same_form_runs_once() -> None:
     assert OperatorAction.objects.filter(action="run_job_now").count() == 1
 
 
+# --- API tokens ----------------------------------------------------------------------------------
+
+TOKENS = "/admin/tasks/apitoken/"
+
+
+def test_adding_an_api_token_in_the_admin_generates_a_key_stores_its_hash_and_shows_it_once() -> None:
+    from django.contrib.auth.models import Permission
+
+    from tasks.models import ApiToken, hash_token
+
+    client = operator(username="tokens")
+    User.objects.get(username="tokens").user_permissions.add(
+        *Permission.objects.filter(content_type__app_label="tasks", codename__in=["add_apitoken", "view_apitoken"])
+    )
+    service = User.objects.create_user("checkout")
+    form = client.get(TOKENS + "add/")
+    assert form.status_code == 200 and b'name="key_hash"' not in form.content
+
+    keys = []
+    for name in ("checkout-service", "reporting"):  # a second add used to be an IntegrityError
+        page = client.post(TOKENS + "add/", {"user": service.pk, "name": name})
+        assert page.status_code == 200, page.content[:2000]
+        assert "no-store" in page["Cache-Control"]
+        key = page.context["raw_key"]
+        assert len(key) >= 40 and key.encode() in page.content
+        token = ApiToken.objects.get(name=name)
+        assert token.key_hash == hash_token(key) and key not in token.key_hash
+        keys.append(key)
+    assert len(set(keys)) == 2 and ApiToken.objects.count() == 2
+
+    # The key works against the API, and it is never shown again.
+    assert Client(HTTP_AUTHORIZATION=f"Token {keys[0]}").get("/api/executions/1").status_code == 404
+    token = ApiToken.objects.get(name="checkout-service")
+    for page in (client.get(TOKENS), client.get(f"{TOKENS}{token.pk}/change/")):
+        assert page.status_code == 200 and keys[0].encode() not in page.content
+
+
 # --- locks ---------------------------------------------------------------------------------------
 
 LOCKS = "/admin/taskplatform/locklease/"
@@ -352,6 +433,26 @@ def test_one_page_creates_a_job_with_its_cron_schedule_in_a_time_zone() -> None:
         ({"time_limit_seconds": "9999999"}, "time_limit_seconds", "above a week"),
         ({"schedule_kind": "once", "run_at_0": "2001-01-01", "run_at_1": "00:00:00"}, "run_at", "in the past"),
         ({"schedule_kind": "interval", "every_seconds": "0"}, "every_seconds", "greater than or equal to 1"),
+        # Strings that cannot be stored or published (JSON escapes the form's parser accepts).
+        ({"args": '["\\ud800"]'}, "args", "the value[0] holds a lone surrogate"),
+        ({"kwargs": '{"gate": "\\udfff"}'}, "kwargs", "the value.gate holds a lone surrogate"),
+        ({"kwargs": '{"\\ud800": 1}'}, "kwargs", "a key in the value holds a lone surrogate"),
+        ({"args": '["a\\u0000b"]'}, "args", "NUL character"),
+        ({"args": '"\\ud800"'}, "args", "the value holds a lone surrogate"),  # a JSON string, shown back
+        ({"retry_on": '["\\ud800"]'}, "retry_on", "lone surrogate"),
+        ({"fatal_errors": '["x\\u0000"]'}, "fatal_errors", "NUL character"),
+        # An integer beyond int()'s 4300-digit limit (Django's JSON field let that ValueError out: a 500).
+        ({"args": "[" + "9" * 4301 + "]"}, "args", "Enter a valid JSON"),
+        ({"fatal_errors": "[" + "9" * 4301 + "]"}, "fatal_errors", "Enter a valid JSON"),
+        # Arguments the task's function cannot take: every run would dead-letter.
+        ({"args": "[1, 2, 3]"}, "args", "too many positional arguments"),
+        ({"kwargs": '{"nope": 1}'}, "kwargs", "unexpected keyword argument 'nope'"),
+        ({"args": "[1]", "kwargs": '{"seconds": 2}'}, "kwargs", "multiple values for argument 'seconds'"),
+        ({"task": "testapp.fatal", "args": "[1]"}, "args", "too many positional arguments"),
+        # A cron field longer than its CrontabSchedule column (SQLite would store it anyway).
+        ({"cron": ",".join([f"{m:02d}" for m in range(60)] * 2) + " * * * *"}, "cron", "minute field is 359"),
+        ({"cron": "0 " + ",".join(["1"] * 60) + " * * *"}, "cron", "at most 96"),
+        ({"cron": "0 0 * * " + ",".join(["mon"] * 20)}, "cron", "day of week field"),
     ],
 )
 def test_bad_job_input_never_saves_and_says_what_is_wrong(overrides: dict[str, str], field: str, fragment: str) -> None:
@@ -361,6 +462,47 @@ def test_bad_job_input_never_saves_and_says_what_is_wrong(overrides: dict[str, s
     errors = response.context["adminform"].form.errors
     assert field in errors and fragment in " ".join(errors[field]), errors
     assert not JobDefinition.objects.exists()
+
+
+def test_arguments_that_fit_the_task_s_signature_are_accepted() -> None:
+    client = operator("add_jobdefinition")
+    for slug, args, kwargs in (("pos", "[1.5]", "{}"), ("both", '[0, "g"]', "{}"), ("kw", "[]", '{"gate": "g"}')):
+        response = client.post(JOBS + "add/", job_form(slug=slug, args=args, kwargs=kwargs))
+        assert response.status_code == 302, response.context["adminform"].form.errors
+    assert JobDefinition.objects.count() == 3
+
+
+def test_a_queue_no_worker_consumes_saves_with_a_warning(settings: Any) -> None:
+    client = operator("add_jobdefinition", "change_jobdefinition")
+    response = client.post(JOBS + "add/", job_form(queue="nobody-listens"), follow=True)
+    assert JobDefinition.objects.get(slug="reconcile").queue == "nobody-listens"
+    text = response.content.decode()
+    assert "No worker is configured to consume queue" in text and "nobody-listens" in text
+    # The default queue, or a queue the configuration declares or routes to: no warning.
+    from celery import current_app
+    from kombu import Queue
+
+    queues, routes = current_app.conf.task_queues, current_app.conf.task_routes
+    try:
+        current_app.conf.task_queues = [Queue("celery"), Queue("reports")]
+        current_app.conf.task_routes = {"tasks.*": {"queue": "routed"}}
+        for slug, queue in (("q-default", "celery"), ("q-declared", "reports"), ("q-routed", "routed")):
+            quiet = client.post(JOBS + "add/", job_form(slug=slug, queue=queue), follow=True)
+            assert JobDefinition.objects.filter(slug=slug).exists()
+            assert "No worker is configured" not in quiet.content.decode(), queue
+    finally:
+        current_app.conf.task_queues, current_app.conf.task_routes = queues, routes
+
+
+def test_a_job_with_a_lone_surrogate_cannot_be_saved_so_its_page_cannot_break() -> None:
+    client = operator("add_jobdefinition", "change_jobdefinition")
+    refused = client.post(JOBS + "add/", job_form(args='["\\ud800"]'))
+    assert refused.status_code == 200 and not JobDefinition.objects.exists()
+    saved = client.post(JOBS + "add/", job_form(args='["\\ud83d\\ude00"]'))  # a pair is fine: one emoji
+    assert saved.status_code == 302
+    job = JobDefinition.objects.get()
+    assert job.args == ["\U0001f600"]
+    assert client.get(f"{JOBS}{job.pk}/change/").status_code == 200
 
 
 def test_the_landing_page_shows_counts_and_an_offline_chart_of_the_last_24_hours() -> None:

@@ -6,7 +6,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
@@ -47,12 +47,14 @@ def test_metrics_need_the_token_or_a_staff_session(settings: Any) -> None:
     assert Client().get("/metrics").status_code == 401
     assert Client().get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
     User.objects.create_user("user", password="pw")
-    User.objects.create_user("staff", password="pw", is_staff=True)
+    staff_user = User.objects.create_user("staff", password="pw", is_staff=True)
     member = Client()
     member.login(username="user", password="pw")
     assert member.get("/metrics").status_code == 401
     staff = Client()
     staff.login(username="staff", password="pw")
+    assert staff.get("/metrics").status_code == 401  # staff, but no permission to view executions
+    staff_user.user_permissions.add(Permission.objects.get(codename="view_execution"))
     assert staff.get("/metrics").status_code == 200
     assert Client().get("/metrics", HTTP_AUTHORIZATION=f"bearer {TOKEN}").status_code == 200  # scheme case
     assert Client().get("/metrics", HTTP_AUTHORIZATION="Bearer ünïcode").status_code == 401  # not a 500

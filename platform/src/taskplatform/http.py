@@ -1,7 +1,12 @@
 """Helpers for views that submit work from an HTTP request.
 
 - ``json_body(request)``: the request's JSON object, or ``HttpError`` 413 (too large, checked
-  before the body is read) / 400 (not JSON, not an object).
+  before the body is read) / 400 (not JSON, not an object, ``NaN``/``Infinity`` or a number
+  too large for a float, a string with a lone surrogate or a NUL).
+- ``unstorable_text(value)``: why a JSON value holds a string that cannot be stored or
+  published (a lone surrogate such as ``"\\ud800"``, a NUL), or None.
+- ``canonical_json(value)``: one spelling of a JSON value (sorted keys, no whitespace), to
+  compare two request bodies that differ only in formatting.
 - ``error_response(exc)``: a ``JsonResponse`` for an ``HttpError`` or a ``SubmissionError``
   (400 bad input, 404 unknown task, 413 too large, 422 an idempotency key reused for other
   work), with ``{"error": code, "detail": message}``.
@@ -15,6 +20,7 @@ for a new execution or ``200 OK`` for an existing one (``submission_response``).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from django.http import HttpRequest, JsonResponse
@@ -60,14 +66,81 @@ def json_body(request: HttpRequest, *, max_bytes: int | None = None) -> dict[str
     if not body.strip():
         raise HttpError(400, "invalid_json", "the body must be a JSON object")
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError) as exc:
         raise HttpError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
     except RecursionError:
         raise HttpError(400, "invalid_json", "the body nests too deeply") from None
     if not isinstance(data, dict):
         raise HttpError(400, "invalid_json", f"the body must be a JSON object, not {type(data).__name__}")
+    problem = unstorable_text(data)
+    if problem is not None:
+        # Refused here, before anything is written: later the database driver, the broker
+        # or even the debug error page would fail on it (a 500, or a row no page can show).
+        raise HttpError(400, "invalid_json", problem)
     return data
+
+
+def _refuse_constant(name: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259); Python accepts them."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; ``1e999`` would silently become ``inf``, which is refused."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]}{'...' if len(text) > 40 else ''} is too large for a float")
+    return value
+
+
+def unstorable_text(value: Any) -> str | None:
+    """Why ``value`` (decoded JSON) cannot be stored or published, or None if it can.
+
+    Two kinds of string survive ``json.loads`` but not the trip to the database or broker:
+    a lone surrogate (an escape like ``"\\ud800"`` without its pair), which UTF-8 cannot
+    encode, so the driver, the broker and even Django's debug page fail on it; and U+0000,
+    which PostgreSQL refuses in text and ``jsonb``. Keys are checked too. The walk is
+    iterative, so deep nesting (which ``json.loads`` accepted) cannot overflow the stack.
+    """
+    stack: list[tuple[str, Any]] = [("$", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            problem = _text_problem(item)
+            if problem:
+                return f"{_short(path)} {problem}"
+        elif isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                name = key if isinstance(key, str) else str(key)
+                problem = _text_problem(name)
+                if problem:
+                    return f"a key in {_short(path)} {problem}"
+                children.append((f"{path}.{name}", child))
+            stack.extend(reversed(children))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed([(f"{path}[{i}]", child) for i, child in enumerate(item)]))
+    return None
+
+
+def _text_problem(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds a lone surrogate (a \\uD800-\\uDFFF escape not in a pair), which is not text"
+    if "\x00" in text:
+        return "holds a NUL character (\\u0000), which databases do not store in text"
+    return ""
+
+
+def _short(path: str) -> str:
+    return path if len(path) <= 120 else f"{path[:117]}..."
+
+
+def canonical_json(value: Any) -> str:
+    """``value`` spelt one way: sorted keys, no whitespace, ASCII (for fingerprints)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
 
 
 def idempotency_key_of(request: HttpRequest) -> str | None:

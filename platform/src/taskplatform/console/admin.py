@@ -227,10 +227,14 @@ class ExecutionAdmin(admin.ModelAdmin):
         action = console.ACTIONS[action_name]
         if request.POST.get("confirm") == "yes":
             reason = request.POST.get("reason", "").strip()
+            # Act on the rows the action was given (the selected ones, which the admin has
+            # already checked against the user's view), never on an expected_<id> field alone:
+            # a forged or stale field for an unselected row is ignored.
+            selected = {str(pk): pk for pk in queryset.values_list("pk", flat=True)}
             expected = {
-                int(k.removeprefix("expected_")): str(request.POST[k])
+                selected[k.removeprefix("expected_")]: str(request.POST[k])
                 for k in request.POST
-                if k.startswith("expected_") and k.removeprefix("expected_").isdigit()
+                if k.startswith("expected_") and k.removeprefix("expected_") in selected
             }
             if not reason:
                 self.message_user(request, "A reason is required; nothing changed.", messages.ERROR)
@@ -329,6 +333,8 @@ class JobDefinitionAdmin(admin.ModelAdmin):
             user=user_label(request),
             enabled_changed=change and "enabled" in form.changed_data,
         )
+        for warning in getattr(form, "warnings", []):  # saved, but probably not what was meant
+            self.message_user(request, warning, messages.WARNING)
 
     def delete_model(self, request: HttpRequest, obj: JobDefinition) -> None:
         """Delete through the jobs service: the schedule goes with the job, and it is audited."""

@@ -1,14 +1,19 @@
 """The job form of the operator console: a job and its schedule on one page, validated whole.
 
-Bad input never saves: an unknown task, invalid or oversized JSON, a malformed cron
-expression, an unknown time zone, a one-off time in the past, negative or absurd limits —
-each is a field error that says what is wrong.
+Bad input never saves: an unknown task, invalid or oversized JSON, strings that cannot be
+stored (a lone surrogate, a NUL), arguments that do not fit the task's signature, a
+malformed cron expression or one with a field longer than its column, an unknown time zone,
+a one-off time in the past, negative or absurd limits — each is a field error that says
+what is wrong. A queue no worker is configured to consume is a warning (``form.warnings``,
+shown by the admin after saving): workers may be started with ``-Q`` for it.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import zoneinfo
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from functools import cache
 from typing import Any
@@ -17,10 +22,12 @@ from django import forms
 from django.contrib.admin.widgets import AdminSplitDateTime
 from django.core.exceptions import ValidationError
 from django.utils import timezone
+from django_celery_beat.models import CrontabSchedule
 
 from .. import jobs
-from ..core.validation import is_idempotent
+from ..core.validation import is_idempotent, registered_task
 from ..exceptions import ConfigurationError
+from ..http import unstorable_text
 from ..models import JobDefinition
 from ..scheduling.slots import PERIOD_SECONDS, Clocked, Interval, Schedule, parse_cron
 
@@ -32,6 +39,8 @@ SCHEDULE_KINDS = [
 ]
 #: Upper bound of the time limits an operator may set (a week).
 MAX_TIME_LIMIT_SECONDS = 7 * 86_400
+#: The five cron fields, in order, as django-celery-beat's ``CrontabSchedule`` names them.
+CRON_FIELDS = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
 
 
 @cache
@@ -48,10 +57,47 @@ def task_choices() -> list[tuple[str, str]]:
     return [(n, n) for n in names]
 
 
-class PrettyJSONField(forms.JSONField):
-    """A JSON field shown indented, so operators can read and edit it."""
+class StorableJSONField(forms.JSONField):
+    """A JSON field whose input and page never fail: bad input is a field error, not a 500.
+
+    Django shows JSON with ``ensure_ascii=False``; a lone surrogate (refused input shown
+    back with its error, or a row stored before such input was refused) would then make the
+    whole page unencodable. Such a value is shown with ``\\u`` escapes instead. An integer
+    of more than 4300 digits (Python's ``int()`` limit) is invalid JSON here.
+    """
+
+    #: Indentation of the JSON shown in the form (None: one line).
+    indent: int | None = None
+
+    def to_python(self, value: Any) -> Any:
+        try:
+            return super().to_python(value)
+        except ValueError as exc:  # Django catches JSONDecodeError only, not int()'s digit limit
+            raise ValidationError(f"Enter a valid JSON: {exc}".split("; use sys.")[0], code="invalid") from None
+
+    def bound_data(self, data: Any, initial: Any) -> Any:
+        try:
+            return super().bound_data(data, initial)
+        except ValueError:  # as above: shown back as typed, with the field's error
+            return forms.fields.InvalidJSONInput(data)
 
     def prepare_value(self, value: Any) -> Any:
+        shown = self.show(value)
+        if isinstance(shown, str) and not _renderable(shown):
+            return json.dumps(value, indent=self.indent)  # \\u escapes: the page stays encodable
+        return shown
+
+    def show(self, value: Any) -> Any:
+        """The text the form shows for ``value`` (readable, non-ASCII kept)."""
+        return super().prepare_value(value)
+
+
+class PrettyJSONField(StorableJSONField):
+    """A JSON field shown indented, so operators can read and edit it."""
+
+    indent = 2
+
+    def show(self, value: Any) -> Any:
         if isinstance(value, str) and not isinstance(value, forms.fields.InvalidJSONInput):
             try:
                 value = json.loads(value)
@@ -60,6 +106,15 @@ class PrettyJSONField(forms.JSONField):
         if isinstance(value, forms.fields.InvalidJSONInput):
             return value
         return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def _renderable(text: str) -> bool:
+    """Whether a page can hold ``text``: not if it has a lone surrogate (UTF-8 cannot encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def schedule_from(kind: str, data: dict[str, Any]) -> Schedule | None:
@@ -114,7 +169,9 @@ class JobDefinitionForm(forms.ModelForm):
     kwargs = PrettyJSONField(required=False, initial=dict, help_text="Keyword arguments, a JSON object.")
     schedule_kind = forms.ChoiceField(choices=SCHEDULE_KINDS, initial="none", label="Schedule")
     cron = forms.CharField(
-        required=False, help_text="minute hour day-of-month month day-of-week, e.g. 30 2 * * * (Celery's syntax)."
+        required=False,
+        max_length=1000,
+        help_text="minute hour day-of-month month day-of-week, e.g. 30 2 * * * (Celery's syntax).",
     )
     timezone = forms.ChoiceField(choices=timezone_choices, initial="UTC", required=False, help_text="IANA time zone.")
     every_seconds = forms.IntegerField(required=False, min_value=1, max_value=31 * 86_400, label="Every (seconds)")
@@ -132,9 +189,12 @@ class JobDefinitionForm(forms.ModelForm):
             "max_attempts", "backoff_base_seconds", "backoff_max_seconds", "jitter", "retry_on", "fatal_errors",
             "queue", "priority", "soft_time_limit_seconds", "time_limit_seconds", "lease_seconds",
         )  # fmt: skip
+        field_classes = {"retry_on": StorableJSONField, "fatal_errors": StorableJSONField}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: Non-blocking findings about valid input (e.g. a queue no worker consumes).
+        self.warnings: list[str] = []
         task = self.instance.periodic_task if self.instance.pk else None
         if task is not None and not self.is_bound:
             if task.crontab is not None:
@@ -158,7 +218,7 @@ class JobDefinitionForm(forms.ModelForm):
                 )
 
     def clean_args(self) -> Any:
-        value = self.cleaned_data.get("args")
+        value = _storable(self.cleaned_data.get("args"))
         if value in (None, ""):
             return []
         if not isinstance(value, list):
@@ -166,11 +226,27 @@ class JobDefinitionForm(forms.ModelForm):
         return value
 
     def clean_kwargs(self) -> Any:
-        value = self.cleaned_data.get("kwargs")
+        value = _storable(self.cleaned_data.get("kwargs"))
         if value in (None, ""):
             return {}
         if not isinstance(value, dict):
             raise ValidationError(f"keyword arguments must be a JSON object, not {type(value).__name__}")
+        return value
+
+    def clean_retry_on(self) -> Any:
+        return _storable(self.cleaned_data.get("retry_on"))
+
+    def clean_fatal_errors(self) -> Any:
+        return _storable(self.cleaned_data.get("fatal_errors"))
+
+    def clean_cron(self) -> str:
+        """Each cron field must fit its ``CrontabSchedule`` column (SQLite would not say so)."""
+        value = str(self.cleaned_data.get("cron") or "")
+        for name, part in zip(CRON_FIELDS, value.split(), strict=False):
+            limit = CrontabSchedule._meta.get_field(name).max_length
+            if limit is not None and len(part) > limit:
+                label = name.replace("_", " ")
+                raise ValidationError(f"the {label} field is {len(part)} characters long; at most {limit} are stored")
         return value
 
     def clean(self) -> dict[str, Any]:
@@ -184,9 +260,19 @@ class JobDefinitionForm(forms.ModelForm):
             retry_on=data.get("retry_on") or [],
             fatal_errors=data.get("fatal_errors") or [],
         )
-        for name, message in jobs.definition_errors(probe).items():
+        definition_errors = jobs.definition_errors(probe)
+        for name, message in definition_errors.items():
             if name in self.fields and name not in self.errors:
                 self.add_error(name, message)
+        if not definition_errors and not {"task", "args", "kwargs"} & set(self.errors):
+            self._check_signature(probe.task, probe.args, probe.kwargs)
+        queue = data.get("queue")
+        if queue and queue not in consumed_queues():
+            self.warnings.append(
+                f"No worker is configured to consume queue {queue!r} (Celery's task_queues, "
+                f"task_default_queue and task_routes name {', '.join(sorted(consumed_queues()))}): runs of this "
+                f"job stay pending until a worker is started with -Q {queue}."
+            )
         kind = data.get("schedule_kind") or "none"
         field = {"cron": "cron", "interval": "every_seconds", "once": "run_at"}.get(kind)
         try:
@@ -201,6 +287,27 @@ class JobDefinitionForm(forms.ModelForm):
             self.add_error("cron", "this expression never matches a future date")
         return data
 
+    def _check_signature(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+        """Arguments the task's function cannot take would dead-letter every run: refuse them."""
+        task = registered_task(name)
+        body = getattr(task, "_orig_run", None) or getattr(task, "run", None)
+        if body is None:
+            return
+        try:
+            # A bound task's ``run`` is a bound method: ``self`` is already left out.
+            signature = inspect.signature(body)
+        except (TypeError, ValueError):  # a builtin or C function: nothing to check against
+            return
+        try:
+            signature.bind_partial(*args)
+        except TypeError as exc:
+            self.add_error("args", f"{name}{signature} cannot take these positional arguments: {exc}")
+            return
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            self.add_error("kwargs" if kwargs else "args", f"{name}{signature} cannot take these arguments: {exc}")
+
     def schedule_arguments(self) -> dict[str, Any] | None:
         """``schedule_job`` keyword arguments for the cleaned schedule, or None for no schedule."""
         data = self.cleaned_data
@@ -212,6 +319,46 @@ class JobDefinitionForm(forms.ModelForm):
         if kind == "once":
             return {"at": data["run_at"]}
         return None
+
+
+def _storable(value: Any) -> Any:
+    """``value`` if every string in it can be stored and published, else a field error."""
+    problem = unstorable_text(value)
+    if problem is not None:
+        raise ValidationError(problem.replace("$", "the value", 1))
+    return value
+
+
+def consumed_queues() -> set[str]:
+    """The queues Celery's configuration says workers consume, read statically.
+
+    ``task_queues`` (what a worker without ``-Q`` consumes), else ``task_default_queue``,
+    plus the queues ``task_routes`` sends tasks to (a deployment that routes there runs
+    workers for them). A live ``inspect`` of the workers would block the form on the broker.
+    """
+    from celery import current_app
+
+    conf = current_app.conf
+    names: set[str] = {str(conf.task_default_queue or "celery")}
+    queues = conf.task_queues or ()
+    for queue in queues.keys() if isinstance(queues, dict) else queues:
+        names.add(str(getattr(queue, "name", queue)))
+    routes = conf.task_routes or ()
+    for table in [routes] if isinstance(routes, dict) else routes:
+        if isinstance(table, dict):
+            names.update(_route_queues(table.values()))
+    return names
+
+
+def _route_queues(routes: Iterable[Any]) -> set[str]:
+    found: set[str] = set()
+    for route in routes:
+        if isinstance(route, str):
+            found.add(route)
+        elif isinstance(route, dict) and route.get("queue"):
+            queue = route["queue"]
+            found.add(str(getattr(queue, "name", queue)))
+    return found
 
 
 def _max(limit: int, message: str) -> Any:

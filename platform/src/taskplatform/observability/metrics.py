@@ -6,7 +6,8 @@ multiprocess directory, the same answer from any gunicorn worker. Every metric i
 Event metrics count the events of the last ``TASKPLATFORM_METRICS_WINDOW_SECONDS`` (take
 ``/ window`` for a rate); state metrics count rows now.
 
-Mount ``metrics_view`` (``config/urls.py`` does, at ``/metrics``). It answers a staff session,
+Mount ``metrics_view`` (``config/urls.py`` does, at ``/metrics``). It answers a staff session
+with the ``taskplatform.view_execution`` permission (what the console's execution list needs),
 or ``Authorization: Bearer <TASKPLATFORM_METRICS_TOKEN>`` (what Prometheus sends with
 ``authorization: {credentials: ...}`` in its scrape config); anything else gets ``401``.
 Flower's own ``/metrics`` (Celery task events) stays available beside it.
@@ -168,7 +169,9 @@ def render() -> tuple[bytes, str]:
 
 def _authorized(request: HttpRequest) -> bool:
     user = getattr(request, "user", None)
-    if user is not None and user.is_authenticated and user.is_staff:
+    # The same permission the console's execution list needs: the metrics are counts of
+    # executions by task and state, and a staff flag without permissions opens nothing else.
+    if user is not None and user.is_authenticated and user.is_staff and user.has_perm("taskplatform.view_execution"):
         return True
     token = platform_settings().metrics_token
     header = request.headers.get("Authorization", "")
@@ -186,7 +189,8 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         return HttpResponse(status=405, headers={"Allow": "GET"})
     if not _authorized(request):
         return HttpResponse(
-            "metrics need a staff session or Authorization: Bearer <TASKPLATFORM_METRICS_TOKEN>\n",
+            "metrics need a staff session with taskplatform.view_execution"
+            " or Authorization: Bearer <TASKPLATFORM_METRICS_TOKEN>\n",
             status=401,
             content_type="text/plain",
             headers={"WWW-Authenticate": 'Bearer realm="metrics"'},
