@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MARIADB_URL ?= mysql://root@127.0.0.1:3306/taskplatform
 
-.PHONY: run test check-run lint typecheck unit portable bench bench-beat install install-test clean
+.PHONY: run test chaos ablate check-run lint typecheck unit portable bench bench-beat install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info[:2] >= (3, 11), "Python 3.11+ is required"'
@@ -37,6 +37,14 @@ test: $(VENV)/.installed-test lint typecheck
 	DATABASE_URL=sqlite:///$(CURDIR)/var/test-portable.sqlite3 $(BIN)/pytest -m portable tests/ledger tests/locks tests/beat
 	DATABASE_URL=$(MARIADB_URL) $(BIN)/pytest -m portable tests/ledger tests/locks tests/beat
 	bin/check-make-run
+
+## make chaos: the whole fault catalogue (tests marked chaos, the slow ones included; docs/reliability.md)
+chaos: $(VENV)/.installed-test
+	$(BIN)/pytest -m chaos -o addopts="-ra --strict-markers --import-mode=importlib -p no:cacheprovider" tests
+
+## make ablate: switch off each protocol guard in turn; a test must notice every one (docs/reliability.md)
+ablate: $(VENV)/.installed-test
+	$(BIN)/python bin/ablate --markdown var/ablation.md
 
 ## make check-run: `make run` on a fresh clone of HEAD: admin answers, Flower refuses anonymous, a job completes
 check-run:

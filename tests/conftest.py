@@ -220,7 +220,9 @@ class WorkerFactory:
         queues: str = "celery",
         env: dict[str, str] | None = None,
         wait: bool = True,
+        command_prefix: list[str] | None = None,
     ) -> Worker:
+        """Start a worker; ``command_prefix`` wraps its command (e.g. a test host's ``ip netns exec``)."""
         name = f"w{len(self.workers) + 1}-{uuid.uuid4().hex[:6]}"
         logfile = self.tmp_path / f"{name}.log"
         full_env = celery_env(broker, env)
@@ -231,7 +233,8 @@ class WorkerFactory:
             "--loglevel", "INFO", "-f", str(logfile),
         ]  # fmt: skip
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=(self.tmp_path / f"{name}.err").open("wb"),
+            [*(command_prefix or []), *cmd], cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL,
+            stderr=(self.tmp_path / f"{name}.err").open("wb"),
             start_new_session=True,
         )  # fmt: skip
         worker = Worker(name=name, proc=proc, logfile=logfile, env=full_env)

@@ -212,6 +212,19 @@ def test_misfire_policy_after_downtime(schedulers: Callable[[], LockedScheduler]
     assert cursor.last_slot == owed[-1]
 
 
+def test_an_entry_created_just_before_the_leader_died_loses_no_slot(schedulers: Callable[[], LockedScheduler]) -> None:
+    """Found in review: an entry created after the last sync of a leader that then died has no
+    cursor; its successor used to start it at the takeover, dropping the slots in between."""
+    every_second_job("unseen")
+    created = timezone.now() - timedelta(seconds=3)  # the old leader never saw it, then died
+    PeriodicTask.objects.filter(name="job:unseen").update(date_changed=created)
+    successor = schedulers()
+    run_beat(successor, seconds=1.2)
+    published = [Execution.objects.get(idempotency_key=k).scheduled_for for k in keys("unseen")]
+    assert published and min(published) <= created + timedelta(seconds=1), published  # type: ignore[operator]
+    assert len(published) >= 3
+
+
 def test_a_new_entry_does_not_run_its_past(schedulers: Callable[[], LockedScheduler]) -> None:
     job = JobDefinition.objects.create(slug="fresh", task="testapp.effect")
     schedule_job(job, cron="0 0 1 1 *", timezone_name="America/New_York")  # its past: every New Year

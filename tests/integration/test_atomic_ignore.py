@@ -122,3 +122,42 @@ def test_a_plain_celery_call_replaced_runs_its_replacement_once(workers, poll):
     assert phases(key) == [("replacement:1:SUCCEEDED", 0), ("written", 1)]
     replacement = Execution.objects.get(task_name="testapp.replacement")
     assert replacement.state == "SUCCEEDED" and replacement.idempotency_key != key
+
+
+@pytest.mark.fault
+def test_a_parent_run_twice_replaces_itself_once(workers, poll, open_gate):
+    """Found in review: a non-atomic parent whose attempt is paused past its lease and rescued
+    runs twice; both attempts call ``self.replace()``. The replacement is keyed from the parent's
+    execution, so the second is absorbed: one replacement runs, not two."""
+    worker = workers.start(concurrency=2)
+    job = JobDefinition.objects.create(slug="twice-replace", task="testapp.plain_replace", lease_seconds=3)
+    execution = submit(job, kwargs={"gate": "twice"})
+    key = execution.idempotency_key
+    row = poll(lambda: Execution.objects.filter(pk=execution.pk, state="RUNNING").first(), timeout=30, what="attempt 1")
+    owner = parse_owner(row.worker)
+    assert owner is not None and owner.pid in {c.pid for c in worker.pool_children()}
+    os.kill(owner.pid, signal.SIGSTOP)
+    try:
+
+        def rescued() -> bool:
+            run_rescuer()
+            return "rescued" in event_kinds(execution.pk)
+
+        poll(rescued, timeout=30, interval=0.25, what="lease expiry and rescue")
+        open_gate("twice:2")
+        poll(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=30, what="attempt 2 succeeds")
+    finally:
+        open_gate("twice:1")
+        os.kill(owner.pid, signal.SIGCONT)
+    poll(lambda: "stale_write_rejected" in event_kinds(execution.pk), timeout=30, what="attempt 1's success refused")
+    sentinel = submit("testapp.effect")
+    poll(lambda: state_of(sentinel.pk) == "SUCCEEDED", timeout=30, what="sentinel")
+    poll(
+        lambda: not Execution.objects.filter(task_name="testapp.replacement").exclude(state="SUCCEEDED").exists(),
+        timeout=30,
+        what="replacements finished",
+    )
+    replacements = Execution.objects.filter(task_name="testapp.replacement")
+    assert [r.idempotency_key for r in replacements] == [f"{key}:replaced"]
+    assert EffectRaw.objects.filter(key=key, phase__startswith="replacement").count() == 1
+    assert sorted(EffectRaw.objects.filter(key=key, phase="written").values_list("fencing_token", flat=True)) == [1, 2]

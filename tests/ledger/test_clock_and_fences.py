@@ -68,6 +68,23 @@ def test_retry_now_of_a_stopped_running_attempt_waits_for_its_fence(stop: str) -
     assert second.outcome == "claimed" and second.token == 2
 
 
+def test_cancelling_a_parked_retry_keeps_the_fence_for_the_next_retry_now() -> None:
+    """Found in review: mark failed, retry now (parked), cancel, retry now again. The cancel of
+    the parked row used to clear the fence, and the second retry ran a body at once beside the
+    stopped attempt, which may run until its fence."""
+    execution = new()
+    claim(execution, lease=30)
+    ledger.operator_transition(execution.pk, "FAILED", user="op", reason="looks stuck", expected_state="RUNNING")
+    fence = row(execution).lease_expires_at
+    ledger.operator_transition(execution.pk, "PENDING", user="op", reason="retry now", expected_state="FAILED")
+    ledger.operator_transition(execution.pk, "CANCELLED", user="op", reason="not now", expected_state="PENDING")
+    assert row(execution).lease_expires_at == fence
+    again = ledger.operator_transition(execution.pk, "PENDING", user="op", reason="now", expected_state="CANCELLED")
+    assert (again.due_at, again.publish_count) == (fence, 0)  # parked again, not published
+    assert deliver(execution).outcome == "early"
+    assert row(execution).state == "PENDING"
+
+
 def test_retry_now_of_an_ordinary_dead_letter_is_published_at_once() -> None:
     execution = new()
     c = claim(execution, max_attempts=1)
@@ -261,3 +278,35 @@ def test_the_postgresql_fast_path_lets_exactly_one_of_many_concurrent_claims_win
     ledger.succeed(ledger.get(execution.pk), 1, None, worker=claimed.worker, data={})
     assert sorted(race(8, contender)) == ["finished"] * 8
     assert row(execution).attempts == 1
+
+
+# --- review: MariaDB/MySQL sessions not set to UTC ----------------------------------------------
+
+
+@pytest.mark.parametrize("zone", ["+02:00", "-05:00"])
+def test_leases_and_due_times_ignore_the_session_time_zone_on_mariadb(zone: str) -> None:
+    """Found in review: ``Now()`` on MariaDB is the session zone's wall time while Django stores
+    UTC. A server set ahead of UTC wrote leases hours into the future (a crash not rescued, a
+    parked retry claimable at once); one behind UTC made live leases look expired."""
+    if connection.vendor != "mysql":
+        pytest.skip("the session time zone is a MariaDB/MySQL matter")
+    with connection.cursor() as cursor:
+        cursor.execute("SET time_zone = %s", [zone])
+    try:
+        execution = new()
+        first = claim(execution, lease=60)
+        lease = row(execution).lease_expires_at
+        assert lease is not None
+        assert abs((lease - timezone.now()).total_seconds() - 60) < 10, f"lease written off by the zone: {lease}"
+        other = ledger.claim(row(execution), worker="node-b:2", celery_task_id="t-2", lease_seconds=60, max_attempts=3)
+        assert other.outcome == "duplicate"  # the live lease is live for everyone
+        assert ledger.renew_lease(execution.pk, first.token, 60)
+
+        ledger.schedule_retry(
+            row(execution), first.token, delay_seconds=3600, error="e", traceback="", worker="node-a:1"
+        )
+        early = ledger.claim(row(execution), worker="node-b:2", celery_task_id="t-3", lease_seconds=60, max_attempts=3)
+        assert early.outcome == "early"  # an hour's backoff is not skipped
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET time_zone = '+00:00'")

@@ -52,6 +52,27 @@ def effect(self: IdempotentTask, seconds: float = 0.0, gate: str = "") -> dict[s
     return {"pid": os.getpid(), "token": self.fencing_token}
 
 
+def _log_start(task: IdempotentTask) -> None:
+    """Record a body start outside the database transaction (a Redis list, no constraint), so an
+    atomic body's start is counted even when its transaction rolls back."""
+    import redis
+    from django.conf import settings
+
+    redis.Redis.from_url(settings.CELERY_BROKER_URL).rpush(
+        f"tp-starts:{task.idempotency_key}", f"{task.fencing_token}:{os.getpid()}"
+    )
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.atomic_gated", atomic=True)
+def atomic_gated(self: IdempotentTask, gate: str = "") -> dict[str, Any]:
+    """An atomic body: log its start outside the transaction, write its effect, wait for a gate."""
+    _log_start(self)
+    Effect.objects.create(key=self.idempotency_key, fencing_token=self.fencing_token or 0)
+    if gate:
+        _wait_gate(self, gate)
+    return {"token": self.fencing_token}
+
+
 @shared_task(base=IdempotentTask, bind=True, name="testapp.atomic_effect", atomic=True)
 def atomic_effect(self: IdempotentTask, fail: bool = False, gate: str = "") -> dict[str, Any]:
     """Write the effect inside the ledger's transaction; optionally fail after writing."""
@@ -186,6 +207,15 @@ def atomic_ignore(self: IdempotentTask, gate: str = "") -> None:
 @shared_task(base=IdempotentTask, bind=True, name="testapp.atomic_replace", atomic=True)
 def atomic_replace(self: IdempotentTask, gate: str = "") -> Any:
     """Write a row in the ledger's transaction, then replace itself with ``testapp.replacement``."""
+    _raw(self, "written")
+    if gate:
+        _wait_gate(self, gate)
+    return self.replace(replacement.s(self.idempotency_key, self.execution.pk if self.execution else 0))
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.plain_replace")
+def plain_replace(self: IdempotentTask, gate: str = "") -> Any:
+    """Like ``atomic_replace``, not atomic: its write commits at once, then it replaces itself."""
     _raw(self, "written")
     if gate:
         _wait_gate(self, gate)

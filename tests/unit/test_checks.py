@@ -6,7 +6,7 @@ import pytest
 from celery import current_app
 from django.test import override_settings
 
-from taskplatform.checks import check_beat, check_celery, check_settings
+from taskplatform.checks import check_beat, check_celery, check_database, check_settings
 
 
 @pytest.fixture
@@ -60,3 +60,10 @@ def test_a_lease_too_short_to_renew_is_refused():
 @override_settings(TASKPLATFORM_REPUBLISH_AFTER_SECONDS=0)
 def test_non_positive_values_are_refused():
     assert "taskplatform.E002" in ids(check_settings())
+
+
+def test_the_ledger_on_sqlite_is_warned_about_and_other_databases_are_not():
+    from django.db import connections
+
+    expected = {"taskplatform.W016"} if connections["default"].vendor == "sqlite" else set()
+    assert ids(check_database()) == expected

@@ -150,3 +150,22 @@ def check_beat(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
             )
         )
     return errors
+
+
+@register("taskplatform", "database")
+def check_database(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The ledger on SQLite holds one writer at a time: fine for development, not for G2."""
+    from django.db import connections
+
+    if connections["default"].vendor != "sqlite":
+        return []
+    return [
+        Warning(
+            "the ledger is on SQLite, which lets one connection write at a time",
+            hint="An atomic body holds the write lock until it commits, so other attempts' lease renewals "
+            "wait behind it; one longer than another running attempt's lease can get that attempt rescued "
+            "while it still runs (a second body). Use PostgreSQL or MariaDB in production (DATABASE_URL); "
+            "the embedded profile is for development.",
+            id="taskplatform.W016",
+        )
+    ]

@@ -16,9 +16,26 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.db.models.functions import Now
 
 from .domain.policies import MisfirePolicy
 from .domain.states import TERMINAL_STATES, State
+
+
+class UtcNow(Now):
+    """The database server's current time, in UTC whatever the session's time zone.
+
+    Every instant that decides ownership (leases, fences, due times) is compared with this,
+    inside the statement that acts on it (``docs/reliability.md``). Django's ``Now()`` is not
+    enough on MariaDB/MySQL: it renders ``NOW()``/``CURRENT_TIMESTAMP``, the *session* time
+    zone's wall time, while Django stores naive UTC there, so on a server not set to UTC every
+    lease would be off by the zone's offset (and jump at daylight-saving changes).
+    PostgreSQL's ``STATEMENT_TIMESTAMP()`` is an instant and SQLite's ``'now'`` is UTC, so only
+    MariaDB/MySQL need another function: ``UTC_TIMESTAMP(6)``.
+    """
+
+    def as_mysql(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
+        return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
 
 
 class Trigger(models.TextChoices):

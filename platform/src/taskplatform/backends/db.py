@@ -23,22 +23,10 @@ from typing import Any
 
 from django.db import DatabaseError
 from django.db.models import BooleanField, Case, DateTimeField, ExpressionWrapper, F, Q, Value, When
-from django.db.models.functions import Now
 
 from ..exceptions import LockError
-from ..models import LockLease
+from ..models import LockLease, UtcNow
 from .base import Lease, LockBackend, LockInfo, new_owner
-
-
-class UtcNow(Now):
-    """The database server's current time, in UTC whatever the session's time zone.
-
-    PostgreSQL's ``STATEMENT_TIMESTAMP()`` is a ``timestamptz`` (an instant, not a wall
-    time) and SQLite's ``'now'`` is UTC, so only MariaDB/MySQL need another function.
-    """
-
-    def as_mysql(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
-        return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
 
 
 def _now_plus(seconds: float) -> ExpressionWrapper:

@@ -10,7 +10,7 @@ never overwrite a newer attempt.
 Publishing is never done inside a transaction: functions that make a row publishable
 register the publication with ``transaction.on_commit`` (see ``publisher``).
 
-Ownership is decided by one clock, the database's (``Now()`` inside the statement): a
+Ownership is decided by one clock, the database's (``UtcNow()`` inside the statement): a
 lease is written, renewed, judged expired for a takeover or a rescue, and a fence or a
 retry's due time is compared, in the same ``UPDATE`` that acts on it. A worker or beat
 whose clock drifts can therefore neither keep a lease that has run out nor take one that
@@ -27,13 +27,12 @@ from typing import Any
 
 from django.db import IntegrityError, connection, transaction
 from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Q, Value
-from django.db.models.functions import Now
 from django.utils import timezone
 
 from ..conf import platform_settings
 from ..domain.states import CLAIMABLE_STATES, TERMINAL_STATES, Actor, State, find_transition
 from ..exceptions import ExecutionNotFound, IllegalTransitionError, LedgerError, StaleExecutionError
-from ..models import EventKind, Execution, ExecutionEvent, JobDefinition
+from ..models import EventKind, Execution, ExecutionEvent, JobDefinition, UtcNow
 from . import _pg as fastpath
 from .publisher import new_task_id, publish_on_commit
 from .types import Claim, Delivery, NewExecution
@@ -53,8 +52,8 @@ EARLY_TOLERANCE = timedelta(seconds=1)
 def _db_now(plus: timedelta | None = None) -> Any:
     """The database server's clock (plus ``plus``), evaluated by the statement that uses it."""
     if not plus:
-        return Now()
-    return ExpressionWrapper(Now() + Value(plus, output_field=DurationField()), output_field=DateTimeField())
+        return UtcNow()
+    return ExpressionWrapper(UtcNow() + Value(plus, output_field=DurationField()), output_field=DateTimeField())
 
 
 def _lease_over() -> Q:
@@ -64,7 +63,7 @@ def _lease_over() -> Q:
     ``PENDING``/``RETRYING`` row: the fence left by an operator's stop of a running attempt
     has passed (a new attempt may start).
     """
-    return Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=Now())
+    return Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=UtcNow())
 
 
 def _retry_due() -> Q:
@@ -374,7 +373,7 @@ def renew_lease(execution_id: int, token: int, lease_seconds: int) -> bool:
     rescuer or a takeover may already be acting on it, so a late renewal must not revive it.
     """
     rows = Execution.objects.filter(
-        pk=execution_id, state=State.RUNNING, fencing_token=token, lease_expires_at__gt=Now()
+        pk=execution_id, state=State.RUNNING, fencing_token=token, lease_expires_at__gt=UtcNow()
     ).update(lease_expires_at=_db_now(timedelta(seconds=lease_seconds)), updated_at=timezone.now())
     return rows == 1
 
@@ -700,12 +699,12 @@ def operator_transition(
             data["not_before"] = fence.isoformat()
     else:
         changes.update(finished_at=now, due_at=None)
-        if source == State.RUNNING:
-            # Left as written by the attempt's last renewal: the fence (see above).
-            if fence is not None:
-                data["fence"] = fence.isoformat()
-        else:
-            changes["lease_expires_at"] = None
+        # ``lease_expires_at`` is left as it is, whatever the source: on a RUNNING row it is the
+        # stopped attempt's last lease, which becomes the fence; on a PENDING or RETRYING row it
+        # can only be such a fence, carried over by an earlier stop, and clearing it here would
+        # let a later "retry now" start a body beside the one that may still run.
+        if source == State.RUNNING and fence is not None:
+            data["fence"] = fence.isoformat()
         if target == State.FAILED:
             changes["last_error"] = f"marked failed by {user}: {reason}"
     with transaction.atomic():

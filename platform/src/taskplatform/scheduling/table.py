@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django_celery_beat.models import PeriodicTask
@@ -182,7 +182,8 @@ class ScheduleTable:
         slots from that previous load on (it changed after it): an edit is not a misfire of
         the new schedule, and a slot due between the edit and this load is not lost.
         """
-        rows = list(PeriodicTask.objects.values(*_ROW_FIELDS))
+        rows = list(PeriodicTask.objects.values(*_ROW_FIELDS, "date_changed"))
+        changed_at = {row["name"]: row.pop("date_changed") for row in rows}  # not part of the digest
         linked = {row["job__slug"] for row in rows if row["job__id"] is not None}
         trigger_slugs = [
             args[0]
@@ -230,7 +231,12 @@ class ScheduleTable:
             entry.generation = self._generation
             self.entries[name] = entry
             if name not in self.cursors or repaired or (known is not None and not first):
-                start = max(self.cursors.get(name, since), since) if not first else now
+                if not first:
+                    start = max(self.cursors.get(name, since), since)
+                elif name not in self.cursors:
+                    start = self._unseen_since(changed_at.get(name), now)
+                else:
+                    start = now
                 self.cursors[name] = start
                 resets.append((name, start))
             self._push(entry)
@@ -240,6 +246,22 @@ class ScheduleTable:
             self.cursors.pop(name, None)
             self.broken.pop(name, None)
         return resets, gone
+
+    def _unseen_since(self, changed_at: datetime | None, now: datetime) -> datetime:
+        """Where a new leader starts an entry that has no cursor yet.
+
+        An entry created (or last changed) shortly before the previous leader died may never
+        have been seen by it: that leader synced at most ``beat_sync_seconds`` before dying, and
+        the takeover took up to a lease and a tick more. Such an entry is owed its slots from
+        when it changed, so none is lost in the failover. Anything older without a cursor (a
+        first start of the scheduler on an existing schedule) starts now: its past is not owed.
+        """
+        if changed_at is None:
+            return now
+        unseen = self.conf.beat_sync_seconds + self.conf.beat_lease_seconds + self.conf.beat_tick_seconds + 1
+        if changed_at < now - timedelta(seconds=unseen):
+            return now
+        return min(changed_at, now)
 
     def pop_due(self, now: datetime) -> list[SlotEntry]:
         due: dict[str, SlotEntry] = {}

@@ -26,17 +26,19 @@ import traceback as tb_module
 from typing import TYPE_CHECKING, Any, cast
 
 from celery import Task
-from celery.exceptions import Ignore, MaxRetriesExceededError, Retry
-from django.db import InterfaceError, OperationalError, connection, transaction
+from celery.canvas import Signature
+from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 
 from ..conf import platform_settings
 from ..core import ledger
 from ..core.leases import Watch, lease_keeper
 from ..core.publisher import HEADER_EXECUTION
+from ..core.submission import submit
 from ..core.types import Claim, Delivery, NewExecution
-from ..core.validation import encode_result
+from ..core.validation import encode_result, is_idempotent
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP, resolve_error_classes
-from ..exceptions import StaleExecutionError
+from ..exceptions import IdempotencyKeyConflictError, StaleExecutionError
 from ..models import Trigger
 from ..observability.logs import execution_context
 from .owner import owner_alive, worker_identity
@@ -48,6 +50,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("taskplatform.tasks")
 
 __all__ = ["UNBOUNDED_ATTEMPTS_CAP", "IdempotentTask", "PlatformRetry"]
+
+#: Pause before a message whose row could not be written goes back to the queue: while the
+#: ledger database is down, redeliveries come about this often per pool process.
+REQUEUE_PAUSE_SECONDS = 1.0
 
 
 class PlatformRetry(Retry):
@@ -68,6 +74,15 @@ def _retry_db(fn: Any) -> Any:
             raise
         connection.close()
         return fn()
+
+
+def _ledger_replaceable(app: Any, sig: Any) -> bool:
+    """A replacement that ``submit()`` can record: one IdempotentTask, no callbacks, no chord."""
+    if type(sig) is not Signature or not isinstance(sig.task, str):
+        return False
+    if any(sig.options.get(option) for option in ("link", "link_error", "chord", "chain")):
+        return False
+    return is_idempotent(app.tasks.get(sig.task))
 
 
 class IdempotentTask(Task):
@@ -227,7 +242,20 @@ class IdempotentTask(Task):
 
     def _run_under_ledger(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         worker = worker_identity(request.hostname or "local")
-        claim = _retry_db(lambda: self._claim(request, worker, args, kwargs))
+        try:
+            claim = _retry_db(lambda: self._claim(request, worker, args, kwargs))
+        except DatabaseError as exc:
+            if (request.headers or {}).get(HEADER_EXECUTION) is not None:
+                raise  # the row exists: it stays due, and the rescuer publishes it again
+            # A plain Celery call whose row could not be written: this message is the only
+            # record of the work. Put it back rather than let Celery acknowledge a failure.
+            log.error(
+                "the ledger is unreachable; the message goes back to the queue",
+                exc_info=True,
+                extra={"celery_task_id": request.id},
+            )
+            time.sleep(REQUEUE_PAUSE_SECONDS)  # not synchronisation: an outage must not spin the pool
+            raise Reject(exc, requeue=True) from exc
         if claim is None:
             return None
         execution = claim.execution
@@ -280,7 +308,11 @@ class IdempotentTask(Task):
             return None
         except Ignore:
             if not returned:  # not atomic: the body's writes are committed already
-                self._record_success(execution, token, None, worker, started, note="body raised Ignore")
+                try:
+                    self._record_success(execution, token, None, worker, started, note="body raised Ignore")
+                except StaleExecutionError as exc:  # a sibling handler would not see it
+                    ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed")
+                    log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
             raise
         except PlatformRetry as exc:
             self._record_failure(execution, token, exc.exc or exc, worker, started, explicit=exc)
@@ -307,15 +339,34 @@ class IdempotentTask(Task):
         raise AssertionError("unreachable")  # pragma: no cover - _record_failure always raises
 
     def on_replace(self, sig: Any) -> Any:
-        """``self.replace(sig)``: in atomic mode, publish ``sig`` once the attempt has committed.
+        """``self.replace(sig)``: the replacement goes through the ledger when it can.
 
-        The replacement is the body's last effect. Published at once (Celery's way) it could run
-        before the body's writes are visible, or run although they were rolled back (a stale
-        fencing token); published on commit it runs only after the body's writes and the success
-        mark are both committed, like a ``submit()`` from the body.
+        A replacement by one ``IdempotentTask`` (a plain signature, no callbacks, no chord) is
+        submitted as an execution keyed from this one (``<key>:replaced``) in the attempt's own
+        transaction: its row exists before its message (G1: nothing can lose it between commit
+        and publish), in atomic mode it is published only when the body's writes and success
+        commit (a stale attempt rolls it back), and a parent run twice (rescued after it had
+        already replaced itself) replaces itself once. A chain, a group or a signature with
+        callbacks keeps Celery's own publication, after the commit in atomic mode.
         """
         execution = self.execution
-        if not (self.atomic and execution is not None and connection.in_atomic_block) or self.request.is_eager:
+        if execution is None or self.request.is_eager:
+            return super().on_replace(sig)
+        if _ledger_replaceable(self.app, sig):
+            key = f"{execution.idempotency_key}:replaced"
+            if len(key) > 255:
+                key = f"execution:{execution.pk}:replaced"
+            try:
+                submit(
+                    sig.task, list(sig.args), dict(sig.kwargs), idempotency_key=key,
+                    queue=sig.options.get("queue"), priority=sig.options.get("priority"),
+                )  # fmt: skip
+            except IdempotencyKeyConflictError:
+                # An earlier attempt of this execution already replaced itself (with other
+                # arguments): that replacement stands.
+                log.warning("replacement already recorded by an earlier attempt", extra={"execution_id": execution.pk})
+            raise Ignore("Replaced by new task")
+        if not (self.atomic and connection.in_atomic_block):
             return super().on_replace(sig)
         execution_id = execution.pk
 
