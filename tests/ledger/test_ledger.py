@@ -250,3 +250,28 @@ def test_cancel_while_running_refuses_the_late_write_back():
     with pytest.raises(StaleExecutionError):
         ledger.succeed(c.execution, c.token, None, worker="w", data={})
     assert Execution.objects.get(pk=execution.pk).state == "CANCELLED"
+
+
+def test_a_takeover_read_before_the_owner_succeeded_never_reopens_the_execution():
+    """The taker read the row RUNNING with an expired lease; the slow owner then succeeded (the
+    token does not change on success). The takeover's compare-and-set must fail on the state,
+    not run a succeeded execution again."""
+    execution = new("late-success")
+    first = claim(execution, lease=30)
+    expire_lease(execution)
+    seen = Execution.objects.get(pk=execution.pk)  # the taker's read: RUNNING, lease expired
+    ledger.succeed(first.execution, first.token, {"ok": True}, worker="node-a:1", data={})
+    second = claim(seen, worker="node-b:2")
+    assert second.outcome == "finished"
+    row = Execution.objects.get(pk=execution.pk)
+    assert (row.state, row.attempts, row.fencing_token) == ("SUCCEEDED", 1, 1)
+
+
+def test_a_rescue_read_before_the_owner_succeeded_never_reopens_the_execution():
+    execution = new("late-success-rescue")
+    first = claim(execution, lease=30)
+    expire_lease(execution)
+    seen = Execution.objects.select_related("job").get(pk=execution.pk)  # the rescuer's read
+    ledger.succeed(first.execution, first.token, None, worker="node-a:1", data={})
+    assert ledger.rescue_expired(seen, max_attempts=3, now=timezone.now()) == "skipped"
+    assert Execution.objects.get(pk=execution.pk).state == "SUCCEEDED"
