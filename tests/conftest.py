@@ -279,7 +279,10 @@ class BeatFactory:
         self.tmp_path = tmp_path
         self.beats: list[Worker] = []
 
-    def start(self, *, env: dict[str, str] | None = None, broker: str | None = None) -> Worker:
+    def start(
+        self, *, env: dict[str, str] | None = None, broker: str | None = None, command_prefix: list[str] | None = None
+    ) -> Worker:
+        """Start a beat; ``command_prefix`` wraps its command (e.g. a test host's ``ip netns exec``)."""
         name = f"beat{len(self.beats) + 1}-{uuid.uuid4().hex[:6]}"
         logfile = self.tmp_path / f"{name}.log"
         full_env = celery_env(broker, env)
@@ -291,7 +294,8 @@ class BeatFactory:
         # guard ablation runs the suite against a mutated copy of the platform that way).
         pythonpath = os.pathsep.join(filter(None, (full_env.get("PYTHONPATH"), str(ROOT))))
         proc = subprocess.Popen(
-            cmd, cwd=self.tmp_path, env={**full_env, "PYTHONPATH": pythonpath}, stdout=subprocess.DEVNULL,
+            [*(command_prefix or []), *cmd], cwd=self.tmp_path, env={**full_env, "PYTHONPATH": pythonpath},
+            stdout=subprocess.DEVNULL,
             stderr=(self.tmp_path / f"{name}.err").open("wb"), start_new_session=True,
         )  # fmt: skip
         beat = Worker(name=name, proc=proc, logfile=logfile, env=full_env)

@@ -176,6 +176,11 @@ def broker_from_env() -> tuple[str, dict[str, Any]]:
         options: dict[str, Any] = {}
         if url.startswith(("redis", "rediss")):
             options["visibility_timeout"] = env_int("CELERY_VISIBILITY_TIMEOUT", 3600)
+            # kombu sweeps for messages past the visibility timeout only every interval x
+            # throttle seconds (10 x 10 by default): with a short timeout, sweep as often.
+            if os.environ.get("CELERY_UNACKED_RESTORE_INTERVAL"):
+                options["unacked_restore_interval"] = env_int("CELERY_UNACKED_RESTORE_INTERVAL", 10)
+                options["unacked_restore_throttle"] = 1
         return url, options
     folder = VAR_DIR / "broker"
     (folder / "processed").mkdir(parents=True, exist_ok=True)

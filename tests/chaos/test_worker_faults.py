@@ -1,0 +1,123 @@
+"""Worker and broker faults from the catalogue (``../shared/research/reliability-anchors.md`` §b):
+a body longer than the Redis visibility timeout, a countdown longer than it, a warm shutdown
+during a long body, and a hung broker. Effects are counted in tables without a unique
+constraint; every process signalled is one the test started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+
+from taskplatform import submit
+from taskplatform.core.rescuer import run_rescuer
+from taskplatform.models import Execution
+from tests.helpers import event_kinds, state_of
+from tests.testapp.models import Effect, EffectRaw
+
+pytestmark = [pytest.mark.chaos, pytest.mark.worker, pytest.mark.fault, pytest.mark.timeout(180)]
+
+
+def starts(key: str) -> int:
+    return EffectRaw.objects.filter(key=key, phase="started").count()
+
+
+def test_a_body_longer_than_the_visibility_timeout_runs_once(workers, poll):
+    """Scenario 3. Redis hands the unacknowledged message out again once the visibility timeout
+    (here 3 s) passes; the second delivery finds the first attempt's lease live (renewed) and is
+    absorbed as a duplicate."""
+    workers.start(concurrency=2, env={"CELERY_VISIBILITY_TIMEOUT": "3", "CELERY_UNACKED_RESTORE_INTERVAL": "1"})
+    execution = submit("testapp.effect", kwargs={"seconds": 14})
+
+    def redelivered() -> bool:
+        return "duplicate_delivery" in event_kinds(execution.pk)
+
+    poll(redelivered, timeout=60, interval=0.25, what="the message handed out again and absorbed")
+    poll(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=60, what="success")
+    row = Execution.objects.get(pk=execution.pk)
+    assert (row.attempts, row.fencing_token) == (1, 1)
+    assert starts(execution.idempotency_key) == 1
+    assert Effect.objects.filter(key=execution.idempotency_key).count() == 1
+
+
+def test_a_countdown_longer_than_the_visibility_timeout_is_parked_and_runs_once(workers, poll):
+    """Scenario 4. A countdown on the Redis broker longer than the visibility timeout would be
+    handed out early and again; the platform parks delays above
+    TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS in the ledger and publishes them when due."""
+    workers.start(concurrency=2, env={"CELERY_VISIBILITY_TIMEOUT": "3"})
+    with override_settings(TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS=1):
+        execution = submit("testapp.effect", countdown=6)
+    parked = Execution.objects.get(pk=execution.pk)
+    assert (parked.publish_count, parked.celery_task_id) == (0, ""), "parked in the ledger, not on the broker"
+    due = parked.due_at
+    assert due is not None
+
+    def published_and_done() -> bool:
+        run_rescuer()  # as the beat leader does every 10 s
+        return state_of(execution.pk) == "SUCCEEDED"
+
+    poll(published_and_done, timeout=60, interval=0.5, what="published when due and run")
+    row = Execution.objects.get(pk=execution.pk)
+    assert row.started_at is not None and row.started_at >= due
+    assert (row.attempts, row.publish_count) == (1, 1)
+    assert starts(execution.idempotency_key) == 1
+
+
+def test_a_warm_shutdown_during_a_long_body_lets_it_finish_once(workers, poll):
+    """Scenario 18. SIGTERM to the worker (a deploy): Celery's warm shutdown stops taking work,
+    lets the running body finish and records it; nothing runs twice, nothing is lost."""
+    worker = workers.start(concurrency=1)
+    execution = submit("testapp.effect", kwargs={"seconds": 4})
+    poll(lambda: starts(execution.idempotency_key) == 1, timeout=60, what="body started")
+    os.kill(worker.pid, signal.SIGTERM)
+    poll(lambda: not worker.alive(), timeout=60, what="the worker exits after the body")
+    assert state_of(execution.pk) == "SUCCEEDED"
+    assert starts(execution.idempotency_key) == 1
+    assert Effect.objects.filter(key=execution.idempotency_key).count() == 1
+    workers.start(concurrency=1)  # a redelivered message, if any, is absorbed
+    sentinel = submit("testapp.effect")
+    poll(lambda: state_of(sentinel.pk) == "SUCCEEDED", timeout=60, what="the new worker drained the queue")
+    assert event_kinds(execution.pk)[-1] in {"succeeded", "already_finished"}
+    assert starts(execution.idempotency_key) == 1
+
+
+def test_a_hung_broker_loses_and_doubles_nothing(private_redis, workers, poll, use_broker):
+    """Scenario 11. The broker stops answering (SIGSTOP: a GC pause, a partition) while a body
+    runs and while another submission is published. The body finishes on the database; the
+    submission's row is committed before its publication hangs; after SIGCONT both run once."""
+    use_broker(private_redis.url)
+    workers.start(concurrency=2, broker=private_redis.url)
+    first = submit("testapp.effect", kwargs={"seconds": 3})
+    poll(lambda: starts(first.idempotency_key) == 1, timeout=60, what="first body started")
+    assert private_redis.proc is not None
+    os.kill(private_redis.proc.pid, signal.SIGSTOP)
+    try:
+        poll(lambda: state_of(first.pk) == "SUCCEEDED", timeout=30, what="the body finishes without the broker")
+        submitted: list[Execution] = []
+
+        def publish_one() -> None:
+            try:
+                submitted.append(submit("testapp.effect"))  # the row commits; the publication hangs
+            finally:
+                connection.close()
+
+        publisher = threading.Thread(target=publish_one, daemon=True)
+        publisher.start()
+        poll(lambda: submitted or Execution.objects.filter(pk__gt=first.pk).exists(), timeout=30, what="row")
+    finally:
+        os.kill(private_redis.proc.pid, signal.SIGCONT)
+    publisher.join(timeout=60)
+    second = submitted[0] if submitted else Execution.objects.get(pk__gt=first.pk)
+
+    def both_done() -> bool:
+        run_rescuer()
+        return state_of(second.pk) == "SUCCEEDED"
+
+    poll(both_done, timeout=90, interval=0.5, what="the second execution after the broker resumed")
+    assert starts(first.idempotency_key) == 1 and starts(second.idempotency_key) == 1
+    assert Effect.objects.filter(key__in=[first.idempotency_key, second.idempotency_key]).count() == 2
