@@ -16,7 +16,9 @@ from django.test import override_settings
 
 from taskplatform import submit
 from taskplatform.core.rescuer import run_rescuer
-from taskplatform.models import Execution
+from taskplatform.models import Execution, JobDefinition
+from taskplatform.worker.owner import parse_owner
+from tests.chaos.test_partitions import atomic_starts as redis_starts
 from tests.helpers import event_kinds, state_of
 from tests.testapp.models import Effect, EffectRaw
 
@@ -121,3 +123,46 @@ def test_a_hung_broker_loses_and_doubles_nothing(private_redis, workers, poll, u
     poll(both_done, timeout=90, interval=0.5, what="the second execution after the broker resumed")
     assert starts(first.idempotency_key) == 1 and starts(second.idempotency_key) == 1
     assert Effect.objects.filter(key__in=[first.idempotency_key, second.idempotency_key]).count() == 2
+
+
+def test_a_hard_time_limit_kills_each_attempt_and_dead_letters_after_the_last(workers, poll):
+    """Scenario 6 (hard limit; the soft limit is in tests/integration/test_task_options.py).
+    Celery kills the pool process at the hard limit; the attempt's lease then expires and the
+    rescuer re-queues it, until the attempts are spent: a dead letter, each attempt run once."""
+    workers.start(concurrency=1)
+    job = JobDefinition.objects.create(
+        slug="hard-limit", task="testapp.sleepy", time_limit_seconds=1, lease_seconds=3, max_attempts=2
+    )
+    execution = submit(job, kwargs={"seconds": 30})
+
+    def dead() -> bool:
+        run_rescuer()
+        return state_of(execution.pk) == "FAILED"
+
+    poll(dead, timeout=90, interval=0.5, what="the dead letter after the last attempt")
+    row = Execution.objects.get(pk=execution.pk)
+    assert row.attempts == 2 and "attempts exhausted: 2 of 2" in row.last_error
+    assert starts(execution.idempotency_key) == 2
+
+
+@pytest.mark.parametrize(("task", "effects"), [("testapp.atomic_gated", 1), ("testapp.effect_then_wait", 2)])
+def test_a_crash_between_the_effect_and_the_ledger_commit(workers, poll, open_gate, task, effects):
+    """Scenario 7. The pool process dies after the body wrote its effect and before the ledger
+    recorded success. Atomic: the effect rolled back with the attempt, the retry writes the
+    only one. Not atomic: the effect is committed and the retry writes it again (the documented
+    limit; downstream effects must be idempotent on ``idempotency_key``)."""
+    worker = workers.start(concurrency=2)
+    execution = submit(task, kwargs={"gate": "crash"})
+    key = execution.idempotency_key
+    row = poll(lambda: Execution.objects.filter(pk=execution.pk, state="RUNNING").first(), timeout=30, what="attempt 1")
+    owner = parse_owner(row.worker)
+    assert owner is not None and owner.pid in {c.pid for c in worker.pool_children()}
+    if task == "testapp.effect_then_wait":
+        poll(lambda: Effect.objects.filter(key=key).exists(), timeout=30, what="the effect committed")
+    else:
+        poll(lambda: redis_starts(key), timeout=30, what="the atomic body started")
+    open_gate("crash:2")
+    os.kill(owner.pid, signal.SIGKILL)
+    poll(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=60, what="attempt 2 succeeded")
+    assert Execution.objects.get(pk=execution.pk).attempts == 2
+    assert Effect.objects.filter(key=key).count() == effects

@@ -73,6 +73,16 @@ def atomic_gated(self: IdempotentTask, gate: str = "") -> dict[str, Any]:
     return {"token": self.fencing_token}
 
 
+@shared_task(base=IdempotentTask, bind=True, name="testapp.effect_then_wait")
+def effect_then_wait(self: IdempotentTask, gate: str = "") -> None:
+    """Not atomic: commit the effect first, then wait (a crash here is after the effect and
+    before the ledger records success)."""
+    _raw(self, "started")
+    Effect.objects.create(key=self.idempotency_key, fencing_token=self.fencing_token or 0)
+    if gate:
+        _wait_gate(self, gate)
+
+
 @shared_task(base=IdempotentTask, bind=True, name="testapp.atomic_effect", atomic=True)
 def atomic_effect(self: IdempotentTask, fail: bool = False, gate: str = "") -> dict[str, Any]:
     """Write the effect inside the ledger's transaction; optionally fail after writing."""
