@@ -50,6 +50,7 @@ from ..core.types import NewExecution
 from ..exceptions import IdempotencyKeyConflictError, SubmissionError
 from ..models import BeatProcess, JobDefinition, ScheduleCursor, Trigger
 from ..observability.logs import execution_context
+from .clock import DatabaseClock
 from .config import configuration_problems
 from .leadership import FencedOff, Leadership, check_fence, take_over_fence
 from .maintenance import Maintenance
@@ -95,6 +96,8 @@ class LockedScheduler(DatabaseScheduler):
         self._reported_leading = False
         self._needs_full_load = False
         self._started_at = timezone.now()
+        #: The database's clock: slots are due by it, not by this host's (``scheduling.clock``).
+        self.clock = DatabaseClock()
         self._maintenance: Maintenance | None = None
         backend = get_lock_backend(self.conf.beat_lock_alias)
         self.leadership = Leadership(backend, self.conf.beat_lock_name, self.identity, self.conf)
@@ -140,7 +143,9 @@ class LockedScheduler(DatabaseScheduler):
             return self.conf.beat_tick_seconds
         assert self.table is not None
         try:
-            now = timezone.now()
+            if self._needs_full_load or started - self._last_sync >= self.conf.beat_sync_seconds:
+                self.clock.measure(self.conf.beat_lock_name)  # once per sync: no round trip per tick
+            now = self.clock.now()
             if self._needs_full_load:
                 self._needs_full_load = False
                 self._sync_table(now, first=True)
@@ -161,7 +166,7 @@ class LockedScheduler(DatabaseScheduler):
         next_due = self.table.next_due()
         sleep = self.conf.beat_tick_seconds
         if next_due is not None:
-            sleep = min(sleep, max(0.0, (next_due - timezone.now()).total_seconds()))
+            sleep = min(sleep, max(0.0, (next_due - self.clock.now()).total_seconds()))
         return max(sleep, 0.01)
 
     def close(self) -> None:
@@ -197,7 +202,8 @@ class LockedScheduler(DatabaseScheduler):
         try:
             take_over_fence(self.conf.beat_lock_name, lease, self._still_holds)
             self.table = ScheduleTable(self.conf, self.app)
-            self._sync_table(timezone.now(), first=True)
+            self.clock.measure(self.conf.beat_lock_name)
+            self._sync_table(self.clock.now(), first=True)
         except FencedOff as exc:
             log.error("beat %s cannot lead: %s", self.identity, exc)
             self.leadership.abdicate()
