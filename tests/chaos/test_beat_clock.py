@@ -15,7 +15,7 @@ from tests.chaos.test_clocks import skewed
 from tests.conftest import broker_url, redis_flushdb
 from tests.helpers import wait_for
 
-pytestmark = [pytest.mark.chaos, pytest.mark.fault, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.fault, pytest.mark.timeout(180)]
 
 
 @pytest.mark.parametrize("offset", ["+90s", "-90s"])

@@ -29,6 +29,7 @@ def starts(key: str) -> int:
     return EffectRaw.objects.filter(key=key, phase="started").count()
 
 
+@pytest.mark.slow
 def test_a_body_longer_than_the_visibility_timeout_runs_once(workers, poll):
     """Scenario 3. Redis hands the unacknowledged message out again once the visibility timeout
     (here 3 s) passes; the second delivery finds the first attempt's lease live (renewed) and is
@@ -47,6 +48,7 @@ def test_a_body_longer_than_the_visibility_timeout_runs_once(workers, poll):
     assert Effect.objects.filter(key=execution.idempotency_key).count() == 1
 
 
+@pytest.mark.slow
 def test_a_countdown_longer_than_the_visibility_timeout_is_parked_and_runs_once(workers, poll):
     """Scenario 4. A countdown on the Redis broker longer than the visibility timeout would be
     handed out early and again; the platform parks delays above
@@ -70,6 +72,7 @@ def test_a_countdown_longer_than_the_visibility_timeout_is_parked_and_runs_once(
     assert starts(execution.idempotency_key) == 1
 
 
+@pytest.mark.slow
 def test_a_warm_shutdown_during_a_long_body_lets_it_finish_once(workers, poll):
     """Scenario 18. SIGTERM to the worker (a deploy): Celery's warm shutdown stops taking work,
     lets the running body finish and records it; nothing runs twice, nothing is lost."""
@@ -125,6 +128,7 @@ def test_a_hung_broker_loses_and_doubles_nothing(private_redis, workers, poll, u
     assert Effect.objects.filter(key__in=[first.idempotency_key, second.idempotency_key]).count() == 2
 
 
+@pytest.mark.slow
 def test_a_hard_time_limit_kills_each_attempt_and_dead_letters_after_the_last(workers, poll):
     """Scenario 6 (hard limit; the soft limit is in tests/integration/test_task_options.py).
     Celery kills the pool process at the hard limit; the attempt's lease then expires and the
