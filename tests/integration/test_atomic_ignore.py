@@ -28,6 +28,33 @@ def phases(key: str) -> list[tuple[str, int]]:
     return sorted(EffectRaw.objects.filter(key=key).values_list("phase", "fencing_token"))
 
 
+def run_twice_with_the_first_attempt_paused(workers, poll, open_gate, task: str, gate: str) -> Execution:
+    """Attempt 1 reaches its gate and is paused (SIGSTOP: a long GC pause, a frozen VM) past its
+    lease; the rescuer re-queues it and attempt 2 runs to success; then attempt 1 wakes up and
+    goes on. Returns once attempt 1's write-back was refused."""
+    worker = workers.start(concurrency=2)
+    job = JobDefinition.objects.create(slug=f"{gate}-job", task=task, lease_seconds=3)
+    execution = submit(job, kwargs={"gate": gate})
+    row = poll(lambda: Execution.objects.filter(pk=execution.pk, state="RUNNING").first(), timeout=30, what="attempt 1")
+    owner = parse_owner(row.worker)
+    assert owner is not None and owner.pid in {c.pid for c in worker.pool_children()}
+    os.kill(owner.pid, signal.SIGSTOP)
+    try:
+
+        def rescued() -> bool:
+            run_rescuer()
+            return "rescued" in event_kinds(execution.pk)
+
+        poll(rescued, timeout=30, interval=0.25, what="lease expiry and rescue")
+        open_gate(f"{gate}:2")
+        poll(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=30, what="attempt 2 succeeds")
+    finally:
+        open_gate(f"{gate}:1")
+        os.kill(owner.pid, signal.SIGCONT)
+    poll(lambda: "stale_write_rejected" in event_kinds(execution.pk), timeout=30, what="attempt 1's write refused")
+    return execution
+
+
 def test_an_atomic_body_ending_with_ignore_commits_its_writes_with_the_success(workers, poll):
     workers.start(concurrency=1)
     execution = submit("testapp.atomic_ignore")
@@ -57,27 +84,8 @@ def test_a_stale_atomic_attempt_that_replaces_itself_publishes_no_replacement(wo
     """Attempt 1 writes and is paused (SIGSTOP) past its lease; attempt 2 runs, replaces itself
     and commits; attempt 1 wakes up and replaces itself too: its fencing token is stale, so its
     write rolls back and its replacement is never published."""
-    worker = workers.start(concurrency=2)
-    job = JobDefinition.objects.create(slug="stale-replace", task="testapp.atomic_replace", lease_seconds=3)
-    execution = submit(job, kwargs={"gate": "stale"})
+    execution = run_twice_with_the_first_attempt_paused(workers, poll, open_gate, "testapp.atomic_replace", "stale")
     key = execution.idempotency_key
-    row = poll(lambda: Execution.objects.filter(pk=execution.pk, state="RUNNING").first(), timeout=30, what="attempt 1")
-    owner = parse_owner(row.worker)
-    assert owner is not None and owner.pid in {c.pid for c in worker.pool_children()}
-    os.kill(owner.pid, signal.SIGSTOP)  # a long GC pause / a frozen VM
-    try:
-
-        def rescued() -> bool:
-            run_rescuer()
-            return "rescued" in event_kinds(execution.pk)
-
-        poll(rescued, timeout=30, interval=0.25, what="lease expiry and rescue")
-        open_gate("stale:2")
-        poll(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=30, what="attempt 2 succeeds")
-    finally:
-        open_gate("stale:1")
-        os.kill(owner.pid, signal.SIGCONT)
-    poll(lambda: "stale_write_rejected" in event_kinds(execution.pk), timeout=30, what="stale write refused")
     poll(
         lambda: EffectRaw.objects.filter(key=key, phase__startswith="replacement").exists(),
         timeout=30,
@@ -129,27 +137,8 @@ def test_a_parent_run_twice_replaces_itself_once(workers, poll, open_gate):
     """Found in review: a non-atomic parent whose attempt is paused past its lease and rescued
     runs twice; both attempts call ``self.replace()``. The replacement is keyed from the parent's
     execution, so the second is absorbed: one replacement runs, not two."""
-    worker = workers.start(concurrency=2)
-    job = JobDefinition.objects.create(slug="twice-replace", task="testapp.plain_replace", lease_seconds=3)
-    execution = submit(job, kwargs={"gate": "twice"})
+    execution = run_twice_with_the_first_attempt_paused(workers, poll, open_gate, "testapp.plain_replace", "twice")
     key = execution.idempotency_key
-    row = poll(lambda: Execution.objects.filter(pk=execution.pk, state="RUNNING").first(), timeout=30, what="attempt 1")
-    owner = parse_owner(row.worker)
-    assert owner is not None and owner.pid in {c.pid for c in worker.pool_children()}
-    os.kill(owner.pid, signal.SIGSTOP)
-    try:
-
-        def rescued() -> bool:
-            run_rescuer()
-            return "rescued" in event_kinds(execution.pk)
-
-        poll(rescued, timeout=30, interval=0.25, what="lease expiry and rescue")
-        open_gate("twice:2")
-        poll(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=30, what="attempt 2 succeeds")
-    finally:
-        open_gate("twice:1")
-        os.kill(owner.pid, signal.SIGCONT)
-    poll(lambda: "stale_write_rejected" in event_kinds(execution.pk), timeout=30, what="attempt 1's success refused")
     sentinel = submit("testapp.effect")
     poll(lambda: state_of(sentinel.pk) == "SUCCEEDED", timeout=30, what="sentinel")
     poll(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from taskplatform.backends.base import Lease
+from taskplatform.backends.redlock import RedlockLockBackend
 from tests.helpers import race, wait_for
 
 
@@ -28,7 +29,15 @@ def test_only_one_of_many_concurrent_contenders_wins(backend, lock_name):
         return backend.acquire(lock_name, 10, identity=f"c{i}")
 
     grants = [lease for lease in race(6, contend) if lease is not None]
-    assert len(grants) == 1
+    assert len(grants) <= 1, "two contenders hold the lock at once"
+    if isinstance(backend, RedlockLockBackend) and not grants:
+        # Redlock's known split vote: every contender won a minority of the nodes, and each
+        # undid its partial grants. Nobody holds it, and the next contender must get it.
+        info = backend.inspect(lock_name)
+        assert info is None or info.owner is None
+        assert backend.acquire(lock_name, 10, identity="after-the-split") is not None
+    else:
+        assert len(grants) == 1
 
 
 def test_an_expired_lease_is_granted_again_with_a_larger_token(backend, lock_name):
