@@ -32,7 +32,7 @@ from tests.conftest import test_database_url as database_url
 from tests.helpers import wait_for
 from tests.testapp.models import EffectRaw
 
-pytestmark = [pytest.mark.fault, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.chaos, pytest.mark.fault, pytest.mark.django_db(transaction=True)]
 
 SECOND = timedelta(seconds=1)
 LOCK_NAME = "taskplatform.beat"

@@ -11,7 +11,7 @@ from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, ExecutionEvent
 from tests.testapp.models import Effect
 
-pytestmark = [pytest.mark.worker, pytest.mark.fault]
+pytestmark = [pytest.mark.chaos, pytest.mark.worker, pytest.mark.fault]
 
 
 @override_settings(TASKPLATFORM_REPUBLISH_AFTER_SECONDS=1)

@@ -20,7 +20,7 @@ from taskplatform.models import Execution
 from tests.helpers import event_kinds, state_of
 from tests.testapp.models import Effect, EffectRaw
 
-pytestmark = [pytest.mark.worker, pytest.mark.fault]
+pytestmark = [pytest.mark.chaos, pytest.mark.worker, pytest.mark.fault]
 
 
 def running_pid(key: str, poll) -> int:

@@ -11,7 +11,7 @@ from tests.helpers import event_kinds, race, state_of
 from tests.testapp.models import Effect, EffectRaw
 from tests.testapp.tasks import effect
 
-pytestmark = [pytest.mark.worker]
+pytestmark = [pytest.mark.chaos, pytest.mark.worker]
 
 
 def test_the_same_message_delivered_twice_runs_the_body_once(workers, poll, open_gate):

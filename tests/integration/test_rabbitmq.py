@@ -12,7 +12,7 @@ from tests.conftest import require_service
 from tests.helpers import event_kinds, state_of
 from tests.testapp.models import Effect, EffectRaw
 
-pytestmark = [pytest.mark.worker]
+pytestmark = [pytest.mark.chaos, pytest.mark.worker]
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 

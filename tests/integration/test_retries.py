@@ -10,7 +10,7 @@ from taskplatform.models import Execution, ExecutionEvent, JobDefinition
 from tests.helpers import event_kinds, state_of
 from tests.testapp.models import EffectRaw
 
-pytestmark = [pytest.mark.worker]
+pytestmark = [pytest.mark.chaos, pytest.mark.worker]
 
 
 def test_retryable_failures_back_off_within_bounds_then_dead_letter_with_traceback(workers, poll):

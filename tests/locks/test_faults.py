@@ -12,7 +12,7 @@ from tests.conftest import RedisServer
 from tests.helpers import wait_for
 from tests.locks.conftest import make_backend
 
-pytestmark = [pytest.mark.fault]
+pytestmark = [pytest.mark.chaos, pytest.mark.fault]
 
 
 def test_redis_cluster_master_failover_keeps_the_lease_and_tokens_increasing(request, redis_cluster, lock_name):
