@@ -39,8 +39,13 @@ test: $(VENV)/.installed-test lint typecheck
 	bin/check-make-run
 
 ## make chaos: the whole fault catalogue (tests marked chaos, the slow ones included; docs/reliability.md)
+## Its figures (var/chaos/figures.jsonl) become the table in docs/reliability.md (bin/catalogue).
 chaos: $(VENV)/.installed-test
-	$(BIN)/pytest -m chaos -o addopts="-ra --strict-markers --import-mode=importlib -p no:cacheprovider" tests
+	rm -f var/chaos/figures.jsonl
+	$(BIN)/pytest -m chaos -o addopts="-ra --strict-markers --import-mode=importlib -p no:cacheprovider" \
+		--figures var/chaos/figures.jsonl tests; status=$$?; \
+	$(BIN)/python bin/catalogue --figures var/chaos/figures.jsonl --write docs/reliability.md --check \
+		&& exit $$status
 
 ## make ablate: switch off each protocol guard in turn; a test must notice every one (docs/reliability.md)
 ablate: $(VENV)/.installed-test

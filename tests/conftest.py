@@ -23,6 +23,8 @@ import pytest
 
 from tests.helpers import wait_for
 
+pytest_plugins = ("tests.figures",)
+
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 

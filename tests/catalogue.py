@@ -1,0 +1,299 @@
+"""The fault catalogue: the 39 scenarios of ``../shared/research/reliability-anchors.md`` §b.
+
+Each scenario is a fault (or a bad input) and what the platform does under it. The tests that
+check one are marked ``@pytest.mark.scenario(n)`` and record what they measured through the
+``figures`` fixture (``tests/figures.py``); ``bin/catalogue`` joins the two into the table in
+``docs/reliability.md``. ``tests/unit/test_catalogue.py`` fails when a scenario has no test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Scenario:
+    number: int
+    group: str
+    fault: str
+    does: str
+
+
+WORKER = "Worker and execution faults"
+BEAT = "Beat, scheduler and leader faults"
+INPUT = "Bad inputs and security"
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        1,
+        WORKER,
+        "pool child SIGKILLed mid-body (an OOM kill)",
+        "Celery's `reject_on_worker_lost` puts the message back; the new delivery finds the dead "
+        "attempt's lease (owner gone) and takes it over under a new fencing token; one success.",
+    ),
+    Scenario(
+        2,
+        WORKER,
+        "worker main process SIGKILLed (cold death), Redis broker",
+        "the pool dies with it; the unacknowledged message would wait for the visibility timeout, "
+        "but the rescuer re-queues the attempt once its lease expires (database clock); one success.",
+    ),
+    Scenario(
+        3,
+        WORKER,
+        "body longer than the Redis visibility timeout",
+        "the message is handed out again while the body runs; the claim finds the first "
+        "attempt's lease live (renewed by the lease keeper) and absorbs it (`duplicate_delivery`).",
+    ),
+    Scenario(
+        4,
+        WORKER,
+        "countdown longer than the visibility timeout",
+        "delays above `TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS` are parked in the ledger, not put "
+        "on the broker; the rescuer publishes them when due.",
+    ),
+    Scenario(
+        5,
+        WORKER,
+        "autoretry with exponential backoff, jitter and a retry limit",
+        "each retry is scheduled in the ledger with a backoff inside its bound; after the last "
+        "attempt the execution is a dead letter with the exception and traceback.",
+    ),
+    Scenario(
+        6,
+        WORKER,
+        "soft and hard time limits",
+        "a soft limit raises `SoftTimeLimitExceeded` in the body: a failure like any other, retried "
+        "by the policy; a hard limit kills the pool process, the lease expires and the rescuer "
+        "re-queues until the attempts are spent, then dead-letters.",
+    ),
+    Scenario(
+        7,
+        WORKER,
+        "crash between the side effect and the ledger's success",
+        "atomic body: the effect rolls back with the attempt and the retry writes the only one; "
+        "non-atomic body: the effect is committed and the retry writes it again (the documented "
+        "limit: downstream effects must be idempotent on the key).",
+    ),
+    Scenario(
+        8,
+        WORKER,
+        "broker down when work is submitted",
+        "the row commits first (the outbox); publication fails fast and is recorded; the rescuer "
+        "publishes every such row once the broker is back.",
+    ),
+    Scenario(
+        9,
+        WORKER,
+        "Redis broker loses its queues (FLUSHALL, a restart without persistence)",
+        "every row that was queued but not started is re-published by the rescuer after its "
+        "publication grace; each runs once.",
+    ),
+    Scenario(
+        10,
+        WORKER,
+        "RabbitMQ restart with durable queues",
+        "durable queues and persistent messages survive; the workers reconnect; a redelivered "
+        "message of a finished or running execution is absorbed.",
+    ),
+    Scenario(
+        11,
+        WORKER,
+        "hung broker (redis-server SIGSTOPped)",
+        "the running body finishes on the database; a submission made meanwhile commits its row "
+        "before its publication hangs; after SIGCONT it is published and run.",
+    ),
+    Scenario(
+        12,
+        WORKER,
+        "result backend unavailable",
+        "nothing in the platform reads outcomes from a result backend: the ledger records them, "
+        "the body's success is recorded and the worker keeps serving.",
+    ),
+    Scenario(
+        13,
+        WORKER,
+        "ledger database unreachable during execution",
+        "the attempt cannot record its success; it stays running until its lease expires, and "
+        "the rescuer re-queues it once the database is back; a plain `.delay()` that cannot write "
+        "its row is put back on the queue rather than acknowledged.",
+    ),
+    Scenario(
+        14,
+        WORKER,
+        "in-doubt commit: the connection drops after COMMIT is sent",
+        "the ledger's state, not the client's error, decides: a success that did commit is final "
+        "(a redelivery is absorbed); one that did not is re-run by the rescuer.",
+    ),
+    Scenario(
+        15,
+        WORKER,
+        "poison message: the body kills its process every time",
+        "every attempt counts in the ledger; after the last one the execution is a dead letter; "
+        "no redelivery loop.",
+    ),
+    Scenario(
+        16,
+        WORKER,
+        "duplicate publication of the same logical run",
+        "one row per idempotency key; a second message for it is absorbed.",
+    ),
+    Scenario(
+        17,
+        WORKER,
+        "cancel from the console (queued, running, across a worker restart)",
+        "the cancel is a ledger state: a queued execution never starts, also after a restart that "
+        "forgets revokes; a running one is stopped (atomic: its writes roll back).",
+    ),
+    Scenario(
+        18,
+        WORKER,
+        "warm shutdown (SIGTERM) during a long body",
+        "Celery finishes the running body and records it before exiting.",
+    ),
+    Scenario(
+        19,
+        BEAT,
+        "several beats, steady state",
+        "one leader at a time; every slot is published exactly once.",
+    ),
+    Scenario(
+        20,
+        BEAT,
+        "leader SIGKILLed",
+        "a follower takes over after the lease; the new leader resumes from the cursors in the "
+        "database; no slot lost or doubled.",
+    ),
+    Scenario(
+        21,
+        BEAT,
+        "leader paused past its lease (SIGSTOP), then resumed",
+        "the follower takes over; the woken leader's publication fails the scheduler fence in "
+        "its own transaction and it steps down.",
+    ),
+    Scenario(
+        22,
+        BEAT,
+        "beat crash between a slot's claim and its publication",
+        "the slot's execution row commits before publication (the outbox); the rescuer publishes "
+        "it; the next leader does not claim the slot again.",
+    ),
+    Scenario(
+        23,
+        BEAT,
+        "lock backend unreachable while leading",
+        "the leader cannot renew; it stops publishing while its lease still has the step-down "
+        "margin; when the lock server is back exactly one leader resumes.",
+    ),
+    Scenario(
+        24,
+        BEAT,
+        "lock key lost while the leader lives",
+        "a follower acquires the lock; the old leader's next renewal fails and it steps down; the "
+        "scheduler fence refuses any publication of the old leader meanwhile.",
+    ),
+    Scenario(
+        25,
+        BEAT,
+        "Redis Cluster failover of the shard holding the lock",
+        "the replica is promoted; the lease is found on it and the fencing tokens keep increasing.",
+    ),
+    Scenario(
+        26,
+        BEAT,
+        "Redlock node crash and immediate restart without persistence",
+        "a node that restarted is not counted for a lease's length; the quorum and the token "
+        "order hold.",
+    ),
+    Scenario(
+        27,
+        BEAT,
+        "beat host's clock skewed or jumping",
+        "slots are due by the database's clock (offset measured at each sync, monotonic clock "
+        "between syncs): none early, none late beyond a second, one message per slot.",
+    ),
+    Scenario(
+        28,
+        BEAT,
+        "clock jump on the Redis lock server",
+        "the lock expires early and a second leader may appear; the scheduler fence and the "
+        "unique slot key keep every slot to one publication.",
+    ),
+    Scenario(
+        29,
+        BEAT,
+        "daylight-saving transitions for crontabs in a local zone",
+        "spring-forward: a non-existent local time fires once at the next valid instant; "
+        "fall-back: an hourly job fires each real hour, a daily one once.",
+    ),
+    Scenario(
+        30,
+        BEAT,
+        "every beat down across many slots",
+        "the job's misfire policy decides: run once, run all (bounded), or skip; every slot is "
+        "accounted for.",
+    ),
+    Scenario(
+        31,
+        BEAT,
+        "database lock: the holder's connection lost silently, or the holder paused",
+        "the lock is a lease row with a database-clock expiry, not a session lock: a follower takes "
+        "over when it expires; the resumed or reconnected holder fails the fence and steps down.",
+    ),
+    Scenario(
+        32,
+        BEAT,
+        "lock and lease misconfiguration",
+        "the beat refuses to start and names the setting to change; system checks say the same.",
+    ),
+    Scenario(
+        33,
+        BEAT,
+        "schedule edited while running",
+        "the change is picked up within a sync; a claimed slot is not fired again; disabling "
+        "stops new slots; each edit is audited.",
+    ),
+    Scenario(
+        34,
+        INPUT,
+        "unknown task name in a job definition",
+        "refused at save with an error naming the task; a definition whose task disappeared is "
+        "dead-lettered at its slot, never published.",
+    ),
+    Scenario(
+        35,
+        INPUT,
+        "malformed cron and schedules",
+        "a field-specific error at save, through the admin and the API; the beat survives a bad "
+        "stored row.",
+    ),
+    Scenario(
+        36,
+        INPUT,
+        "invalid JSON arguments, wrong types, huge or deep payloads",
+        "a clear error, nothing written, nothing published.",
+    ),
+    Scenario(
+        37,
+        INPUT,
+        "pickle or a foreign content type injected into the broker",
+        "the worker accepts JSON only: the message is refused and the pickle never runs; a check "
+        "refuses any pickle in the accept lists.",
+    ),
+    Scenario(
+        38,
+        INPUT,
+        "exposed monitoring and data services",
+        "Flower and the admin answer 401/redirect without authentication; checks refuse an "
+        "unauthenticated Flower and unanchored OAuth patterns.",
+    ),
+    Scenario(
+        39,
+        INPUT,
+        "console permissions, CSRF, audit and double-submit",
+        "actions need their permission; POST-only with CSRF; a double-submitted run creates one "
+        "execution; every action is audited with its reason.",
+    ),
+)
+
+BY_NUMBER = {scenario.number: scenario for scenario in SCENARIOS}
