@@ -129,8 +129,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         15,
         WORKER,
         "poison message: the body kills its process every time",
-        "every attempt counts in the ledger; after the last one the execution is a dead letter; "
-        "no redelivery loop.",
+        "every attempt counts in the ledger; after the last one the execution is a dead letter; no redelivery loop.",
     ),
     Scenario(
         16,
@@ -202,8 +201,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         26,
         BEAT,
         "Redlock node crash and immediate restart without persistence",
-        "a node that restarted is not counted for a lease's length; the quorum and the token "
-        "order hold.",
+        "a node that restarted is not counted for a lease's length; the quorum and the token order hold.",
     ),
     Scenario(
         27,
@@ -230,8 +228,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         30,
         BEAT,
         "every beat down across many slots",
-        "the job's misfire policy decides: run once, run all (bounded), or skip; every slot is "
-        "accounted for.",
+        "the job's misfire policy decides: run once, run all (bounded), or skip; every slot is accounted for.",
     ),
     Scenario(
         31,
@@ -264,8 +261,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         35,
         INPUT,
         "malformed cron and schedules",
-        "a field-specific error at save, through the admin and the API; the beat survives a bad "
-        "stored row.",
+        "a field-specific error at save, through the admin and the API; the beat survives a bad stored row.",
     ),
     Scenario(
         36,

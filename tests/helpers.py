@@ -62,3 +62,30 @@ def race(n: int, fn: Callable[[int, Callable[[], None]], Any], *, timeout: float
         raise errors[0]
     assert len(results) == n, f"{n - len(results)} racers did not finish within {timeout} s"
     return results
+
+
+def tally(executions: Any, *, starts: Callable[[str], int] | None = None) -> dict[str, int]:
+    """The catalogue's figures for these executions, observed in the ledger and the effect tables.
+
+    ``body_starts`` counts ``EffectRaw`` "started" rows unless ``starts(key)`` is given (atomic
+    bodies log their starts outside their transaction); ``effects`` counts committed ``Effect``
+    rows (no unique key); ``duplicates`` is the effects beyond one per execution; ``lost`` is the
+    executions that never reached a final state (or whose row is gone).
+    """
+    from taskplatform.models import Execution
+    from tests.testapp.models import Effect, EffectRaw
+
+    executions = list(executions)
+    keys = [e.idempotency_key for e in executions]
+    count_starts = starts or (lambda key: EffectRaw.objects.filter(key=key, phase="started").count())
+    effects = {key: Effect.objects.filter(key=key).count() for key in keys}
+    final = Execution.objects.filter(
+        pk__in=[e.pk for e in executions], state__in=["SUCCEEDED", "FAILED", "CANCELLED"]
+    ).count()
+    return {
+        "executions": len(keys),
+        "body_starts": sum(count_starts(key) for key in keys),
+        "effects": sum(effects.values()),
+        "lost": len(keys) - final,
+        "duplicates": sum(max(0, n - 1) for n in effects.values()),
+    }

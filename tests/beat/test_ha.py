@@ -57,6 +57,19 @@ def assert_every_slot_once(slots: list[datetime], first: datetime, last: datetim
     assert window == expected, "a slot was published twice or off the grid"
 
 
+def slot_tally(
+    job: JobDefinition, first: datetime, last: datetime, counts: Counter[str] | None = None
+) -> dict[str, int]:
+    """The catalogue's figures for a job's 1-second grid from ``first`` to ``last``: slots due,
+    slots with an execution, slots missing, and (from broker messages) slots published twice."""
+    expected = int((last - first).total_seconds()) + 1
+    window = {s for s in slots_of(job) if first <= s <= last}
+    figures = {"slots": expected, "slots_published": len(window), "slots_lost": expected - len(window)}
+    if counts is not None:
+        figures["slots_doubled"] = sum(1 for n in counts.values() if n > 1)
+    return figures
+
+
 def broker_messages(queue: str | None = None) -> Counter[str]:
     """How many messages wait on the test broker for each slot (nobody consumes them here).
 
@@ -121,9 +134,10 @@ def empty_broker() -> None:
     redis_flushdb(broker_url())
 
 
+@pytest.mark.scenario(19)
 @pytest.mark.parametrize("lock", ["db", "redis"])
 def test_three_beats_publish_every_slot_exactly_once_for_a_minute(
-    beats: BeatFactory, workers: Any, private_redis: RedisServer, lock: str
+    beats: BeatFactory, workers: Any, private_redis: RedisServer, lock: str, figures: Any
 ) -> None:
     """Bodies are counted for the job the worker runs; publications are counted as broker
     messages for a job and a plain entry on a queue no worker consumes (``probe``): the
@@ -153,10 +167,17 @@ def test_three_beats_publish_every_slot_exactly_once_for_a_minute(
     seen = BeatProcess.objects.filter(last_seen_at__gte=timezone.now() - 10 * SECOND, stopped_at=None)
     assert seen.count() == 3
     assert seen.filter(is_leader=True).count() == 1
+    figures.record(
+        **slot_tally(job, first, last, probes),
+        body_starts=len(started),
+        duplicates=len(started) - len(set(started)),
+        leaders_at_end=seen.filter(is_leader=True).count(),
+    )
 
 
+@pytest.mark.scenario(20)
 def test_sigkill_of_the_leader_fails_over_within_ten_seconds_with_no_slot_lost(
-    beats: BeatFactory, empty_broker: None
+    beats: BeatFactory, empty_broker: None, figures: Any
 ) -> None:
     """Default timings (lease 6 s, tick 1 s): the target is ≤ 10 s from death to the next slot."""
     job = every_second_job("failover")
@@ -184,11 +205,13 @@ def test_sigkill_of_the_leader_fails_over_within_ten_seconds_with_no_slot_lost(
     wait_until(timezone.now() + 2 * SECOND, "slots after the failover")
     now = timezone.now().replace(microsecond=0) - SECOND
     assert_every_slot_once(slots_of(job), first, now)
-    assert_published_once(beats, may_lose_one=True)
+    counts = assert_published_once(beats, may_lose_one=True)
+    figures.record(**slot_tally(job, first, now, counts), failover_s=failover)
 
 
+@pytest.mark.scenario(21)
 def test_a_paused_leader_that_wakes_up_publishes_nothing(
-    beats: BeatFactory, private_redis: RedisServer, empty_broker: None
+    beats: BeatFactory, private_redis: RedisServer, empty_broker: None, figures: Any
 ) -> None:
     """SIGSTOP the leader; while it sleeps it loses the beat lock (an operator frees it, and
     the lock server no longer answers the sleeper) and a follower takes over. SIGCONT: the
@@ -239,10 +262,13 @@ def test_a_paused_leader_that_wakes_up_publishes_nothing(
     # The scenario happened: the sleeper woke up trusting its lease, tried, and was fenced off.
     assert "could not renew the beat lease" in old.log()
     assert "stops publishing" in old.log(), "the woken leader did not try to publish (or was not fenced off)"
+    plain_doubled = sum(1 for key in window if counts[key] > 1)
+    figures.record(**slot_tally(job, first, now, counts), plain_slots=len(window), plain_doubled=plain_doubled)
 
 
+@pytest.mark.scenario(23)
 def test_redis_lock_server_shutdown_leader_steps_down_and_service_resumes(
-    beats: BeatFactory, private_redis: RedisServer, empty_broker: None
+    beats: BeatFactory, private_redis: RedisServer, empty_broker: None, figures: Any
 ) -> None:
     job = every_second_job("redis-outage")
     env = {"TASKPLATFORM_LOCK_URL": private_redis.url}
@@ -267,9 +293,18 @@ def test_redis_lock_server_shutdown_leader_steps_down_and_service_resumes(
     wait_until(timezone.now() + 2 * SECOND, "slots after recovery")
     # The outage (a few seconds, inside the misfire grace period) lost no slot: the new
     # leader published the owed ones from the cursor.
-    assert_every_slot_once(slots_of(job), first, timezone.now().replace(microsecond=0) - SECOND)
-    assert_published_once(beats)
+    resumed = (
+        Execution.objects.filter(created_at__gt=back).order_by("created_at").values_list("created_at", flat=True)[0]
+    )
+    last = timezone.now().replace(microsecond=0) - SECOND
+    assert_every_slot_once(slots_of(job), first, last)
+    counts = assert_published_once(beats)
     assert down_at < stepped_down
+    figures.record(
+        **slot_tally(job, first, last, counts),
+        step_down_after_s=(stepped_down - down_at).total_seconds(),
+        resumed_after_s=(resumed - back).total_seconds(),
+    )
 
 
 @pytest.fixture
@@ -294,8 +329,9 @@ def _sessions_of(role: str) -> int:
         return int(cur.fetchone()[0])
 
 
+@pytest.mark.scenario(23, 31)
 def test_database_lock_server_lost_leader_steps_down_and_service_resumes(
-    beats: BeatFactory, outage_role: str, empty_broker: None
+    beats: BeatFactory, outage_role: str, empty_broker: None, figures: Any
 ) -> None:
     """The database backend's server goes away for the beats (connections killed, logins
     refused): the leader cannot renew, steps down before its lease could expire, nobody
@@ -314,6 +350,7 @@ def test_database_lock_server_lost_leader_steps_down_and_service_resumes(
         cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [outage_role])
     cut_at = timezone.now()
     wait_for(lambda: "steps down" in leader.log(), timeout=15, what="the leader to step down")
+    stepped_down = timezone.now()
     wait_until(timezone.now() + 3 * SECOND, "the outage to last")
     assert not Execution.objects.filter(created_at__gt=cut_at + SECOND).exists(), "published during the outage"
 
@@ -321,12 +358,22 @@ def test_database_lock_server_lost_leader_steps_down_and_service_resumes(
         cur.execute(f"ALTER ROLE {outage_role} LOGIN")
     back = timezone.now()
     wait_for(lambda: Execution.objects.filter(created_at__gt=back).exists(), timeout=30, what="service to resume")
+    resumed = (
+        Execution.objects.filter(created_at__gt=back).order_by("created_at").values_list("created_at", flat=True)[0]
+    )
     wait_until(timezone.now() + 2 * SECOND, "slots after recovery")
-    assert_every_slot_once(slots_of(job), first, timezone.now().replace(microsecond=0) - SECOND)
-    assert_published_once(beats)
+    last = timezone.now().replace(microsecond=0) - SECOND
+    assert_every_slot_once(slots_of(job), first, last)
+    counts = assert_published_once(beats)
+    figures.record(
+        **slot_tally(job, first, last, counts),
+        step_down_after_s=(stepped_down - cut_at).total_seconds(),
+        resumed_after_s=(resumed - back).total_seconds(),
+    )
 
 
-def test_misfire_policies_after_the_only_beat_was_down(beats: BeatFactory, empty_broker: None) -> None:
+@pytest.mark.scenario(30)
+def test_misfire_policies_after_the_only_beat_was_down(beats: BeatFactory, empty_broker: None, figures: Any) -> None:
     """One beat runs three 1-second jobs, stops for 14 s, restarts (grace 4 s, catch-up window 6 s)."""
     env = {
         "TASKPLATFORM_BEAT_LEASE_SECONDS": "3",
@@ -373,10 +420,18 @@ def test_misfire_policies_after_the_only_beat_was_down(beats: BeatFactory, empty
     assert all(s >= restarted - 7 * SECOND for s in catch_up), catch_up
     assert catch_up == [catch_up[0] + k * SECOND for k in range(len(catch_up))]
     assert len(catch_up) >= 6
-    assert_published_once(beats)
+    counts = assert_published_once(beats)
+    figures.record(
+        downtime_s=(restarted - stopped).total_seconds(),
+        skip_published=len(skip),
+        run_once_published=len(once),
+        catch_up_published=len(catch_up),
+        slots_doubled=sum(1 for n in counts.values() if n > 1),
+    )
 
 
-def test_a_misconfigured_beat_refuses_to_start_and_says_what_to_change(beats: BeatFactory) -> None:
+@pytest.mark.scenario(32)
+def test_a_misconfigured_beat_refuses_to_start_and_says_what_to_change(beats: BeatFactory, figures: Any) -> None:
     beat: Worker = beats.start(env={"TASKPLATFORM_BEAT_LEASE_SECONDS": "2", "TASKPLATFORM_BEAT_TICK_SECONDS": "1"})
     wait_for(lambda: beat.proc.poll() is not None, timeout=60, what="the beat to exit")
     output = beat.log() + beats.err(beat)
@@ -384,3 +439,4 @@ def test_a_misconfigured_beat_refuses_to_start_and_says_what_to_change(beats: Be
     assert "TASKPLATFORM_BEAT_LEASE_SECONDS=2 is below 3 times TASKPLATFORM_BEAT_TICK_SECONDS=1" in output
     assert "Raise the lease to at least 3" in output
     assert not Execution.objects.exists()
+    figures.record(exit_code=beat.proc.returncode, executions=Execution.objects.count())

@@ -18,8 +18,9 @@ from tests.helpers import wait_for
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.fault, pytest.mark.timeout(180)]
 
 
+@pytest.mark.scenario(27)
 @pytest.mark.parametrize("offset", ["+90s", "-90s"])
-def test_a_beat_with_a_skewed_clock_publishes_each_slot_on_time(beats, faketime_lib, offset):
+def test_a_beat_with_a_skewed_clock_publishes_each_slot_on_time(beats, faketime_lib, offset, figures):
     redis_flushdb(broker_url())
     job = every_second_job("skewed-beat")
     beat = beats.start(env=skewed(faketime_lib, offset))
@@ -40,4 +41,11 @@ def test_a_beat_with_a_skewed_clock_publishes_each_slot_on_time(beats, faketime_
         lead = (slot - first_seen[key]).total_seconds()
         assert lead < 0.5, f"{key} published {lead:.1f} s before its time"
         assert -lead < 3.0, f"{key} published {-lead:.1f} s after its time"
-    assert_published_once(beats)
+    counts = assert_published_once(beats)
+    leads = [(slot - first_seen[key]).total_seconds() for key, slot in rows.items()]
+    figures.record(
+        slots=len(rows),
+        early=sum(1 for lead in leads if lead > 0),
+        late_max_s=max(0.0, -min(leads)),
+        slots_doubled=sum(1 for n in counts.values() if n > 1),
+    )

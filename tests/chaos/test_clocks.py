@@ -17,7 +17,7 @@ import pytest
 from taskplatform import submit
 from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, JobDefinition
-from tests.helpers import event_kinds, state_of
+from tests.helpers import event_kinds, state_of, tally
 from tests.testapp.models import EffectRaw
 
 pytestmark = [pytest.mark.chaos, pytest.mark.worker, pytest.mark.fault, pytest.mark.timeout(180)]
@@ -32,25 +32,31 @@ def skewed(faketime_lib, offset: str) -> dict[str, str]:
     }
 
 
+@pytest.mark.scenario(27)
 @pytest.mark.parametrize("offset", ["-90s", "+90s"])
-def test_a_skewed_worker_keeps_its_lease_while_renewing_it(workers, poll, faketime_lib, offset):
+def test_a_skewed_worker_keeps_its_lease_while_renewing_it(workers, poll, faketime_lib, offset, figures):
     """A body three times its lease long, on a worker 90 s behind (or ahead): never rescued."""
     worker = workers.start(concurrency=1, env=skewed(faketime_lib, offset))
     assert "FAKETIME" in worker.env
     job = JobDefinition.objects.create(slug="skewed", task="testapp.effect", lease_seconds=3)
     execution = submit(job, kwargs={"seconds": 9})
 
+    rescues = []
+
     def finished_without_rescue() -> bool:
         report = run_rescuer()
+        rescues.append(report.rescued)
         assert report.rescued == 0, "a live attempt on a skewed worker was rescued"
         return state_of(execution.pk) == "SUCCEEDED"
 
     poll(finished_without_rescue, timeout=90, interval=0.25, what="success")
     assert event_kinds(execution.pk) == ["claimed", "succeeded"]
     assert EffectRaw.objects.filter(key=execution.idempotency_key, phase="started").count() == 1
+    figures.record(**tally([execution]), rescues=sum(rescues))
 
 
-def test_a_dead_worker_whose_clock_ran_ahead_is_rescued_within_its_lease(workers, poll, faketime_lib):
+@pytest.mark.scenario(27)
+def test_a_dead_worker_whose_clock_ran_ahead_is_rescued_within_its_lease(workers, poll, faketime_lib, figures):
     """The worker's clock is 10 minutes ahead; it dies mid-body. Its lease must not look valid
     for those extra minutes: the rescuer re-queues the work within about one lease."""
     worker = workers.start(concurrency=1, env=skewed(faketime_lib, "+600s"))
@@ -67,5 +73,6 @@ def test_a_dead_worker_whose_clock_ran_ahead_is_rescued_within_its_lease(workers
         return "rescued" in event_kinds(execution.pk)
 
     poll(rescued, timeout=60, interval=0.25, what="rescue")
+    figures.record(rescued_after_kill_s=time.monotonic() - killed, lease_s=job.lease_seconds)
     assert time.monotonic() - killed < 3 + 5, "the lease outlived its owner by the owner's clock skew"
     assert Execution.objects.get(pk=execution.pk).state in {"RETRYING", "PENDING", "RUNNING"}

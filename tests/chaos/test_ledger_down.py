@@ -8,16 +8,20 @@ acknowledged as a failure and lost.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from taskplatform.models import Execution
+from tests.helpers import tally
 from tests.testapp.models import Effect, EffectRaw
 from tests.testapp.tasks import effect
 
 pytestmark = [pytest.mark.chaos, pytest.mark.worker, pytest.mark.fault, pytest.mark.timeout(180)]
 
 
-def test_a_plain_delay_delivered_while_the_ledger_is_down_runs_once_it_is_back(remote_host, workers, poll):
+@pytest.mark.scenario(13)
+def test_a_plain_delay_delivered_while_the_ledger_is_down_runs_once_it_is_back(remote_host, workers, poll, figures):
     """Found in review: the claim failed twice, the exception reached Celery, which acknowledged
     the message: no row, no message, the call was gone."""
     worker = workers.start(concurrency=1, env=remote_host.env, command_prefix=remote_host.prefix)
@@ -33,6 +37,7 @@ def test_a_plain_delay_delivered_while_the_ledger_is_down_runs_once_it_is_back(r
     assert not Execution.objects.filter(idempotency_key=result.id).exists()
 
     remote_host.database.start()  # back, on the same address
+    back = time.monotonic()
     row = poll(
         lambda: Execution.objects.filter(idempotency_key=result.id, state="SUCCEEDED").first(),
         timeout=90,
@@ -41,3 +46,4 @@ def test_a_plain_delay_delivered_while_the_ledger_is_down_runs_once_it_is_back(r
     assert row.attempts == 1
     assert EffectRaw.objects.filter(key=result.id, phase="started").count() == 1
     assert Effect.objects.filter(key=result.id).count() == 1
+    figures.record(**tally([row]), calls=1, recovery_s=time.monotonic() - back)

@@ -8,6 +8,8 @@ ledger's events. Every process and link is the test's own (``remote_host``, ``wo
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 from django.conf import settings
@@ -15,7 +17,7 @@ from django.conf import settings
 from taskplatform import submit
 from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution
-from tests.helpers import event_kinds, state_of
+from tests.helpers import event_kinds, state_of, tally
 from tests.testapp.models import Effect, EffectRaw
 
 pytestmark = [pytest.mark.chaos, pytest.mark.worker, pytest.mark.fault, pytest.mark.timeout(180)]
@@ -35,7 +37,8 @@ def rescued_and(predicate, poll, what: str) -> None:
     poll(check, timeout=90, interval=0.5, what=what)
 
 
-def test_an_atomic_body_cut_off_from_postgres_commits_its_effect_once(remote_host, workers, poll, open_gate):
+@pytest.mark.scenario(13)
+def test_an_atomic_body_cut_off_from_postgres_commits_its_effect_once(remote_host, workers, poll, open_gate, figures):
     """The remote worker's attempt loses the database mid-body; its lease expires, a local worker
     runs attempt 2; when the link heals the old attempt's success is refused and its writes
     roll back: one committed effect, two body starts."""
@@ -46,9 +49,11 @@ def test_an_atomic_body_cut_off_from_postgres_commits_its_effect_once(remote_hos
     assert atomic_starts(key)[0].startswith("1:")
 
     remote_host.cut()
+    cut = time.monotonic()
     open_gate("pg:2")  # the next attempt may finish at once
     workers.start(concurrency=1)
     rescued_and(lambda: state_of(execution.pk) == "SUCCEEDED", poll, "attempt 2 succeeded on the local worker")
+    recovery = time.monotonic() - cut
 
     remote_host.heal()
     open_gate("pg:1")  # the old attempt now reaches its write-back
@@ -58,9 +63,13 @@ def test_an_atomic_body_cut_off_from_postgres_commits_its_effect_once(remote_hos
     assert (row.state, row.fencing_token) == ("SUCCEEDED", 2)
     assert [s.split(":")[0] for s in atomic_starts(key)] == ["1", "2"], "two body starts"
     assert list(Effect.objects.filter(key=key).values_list("fencing_token", flat=True)) == [2], "one effect"
+    figures.record(**tally([execution], starts=lambda k: len(atomic_starts(k))), recovery_s=recovery)
 
 
-def test_a_non_atomic_body_cut_off_from_postgres_is_run_twice_and_says_so(remote_host, workers, poll, open_gate):
+@pytest.mark.scenario(13)
+def test_a_non_atomic_body_cut_off_from_postgres_is_run_twice_and_says_so(
+    remote_host, workers, poll, open_gate, figures
+):
     """The documented limit: a non-atomic body that lost its lease is not stopped. When its link
     heals it commits its own write (a second effect); the ledger still records one success, and
     the old attempt's success is refused. Pass the fencing token downstream, or use atomic=True."""
@@ -70,9 +79,11 @@ def test_a_non_atomic_body_cut_off_from_postgres_is_run_twice_and_says_so(remote
     poll(lambda: EffectRaw.objects.filter(key=key, phase="started").exists(), timeout=60, what="remote body")
 
     remote_host.cut()
+    cut = time.monotonic()
     open_gate("na:2")
     workers.start(concurrency=1)
     rescued_and(lambda: state_of(execution.pk) == "SUCCEEDED", poll, "attempt 2 succeeded on the local worker")
+    recovery = time.monotonic() - cut
 
     remote_host.heal()
     open_gate("na:1")
@@ -83,9 +94,15 @@ def test_a_non_atomic_body_cut_off_from_postgres_is_run_twice_and_says_so(remote
     assert EffectRaw.objects.filter(key=key, phase="started").count() == 2
     effects = sorted(Effect.objects.filter(key=key).values_list("fencing_token", flat=True))
     assert effects == [1, 2], "the stale attempt's non-atomic effect is committed too (the documented limit)"
+    figures.record(
+        **tally([execution]),
+        recovery_s=recovery,
+        stale_writes_refused=event_kinds(execution.pk).count("stale_write_rejected"),
+    )
 
 
-def test_a_worker_cut_off_from_the_broker_mid_body_finishes_once(remote_host, workers, poll, open_gate):
+@pytest.mark.scenario(11)
+def test_a_worker_cut_off_from_the_broker_mid_body_finishes_once(remote_host, workers, poll, open_gate, figures):
     """Only the broker is cut: the body keeps its database, finishes and records success; the
     message it could not acknowledge comes back after the link heals and is absorbed."""
     worker = workers.start(concurrency=1, env=remote_host.env, command_prefix=remote_host.prefix)
@@ -103,3 +120,4 @@ def test_a_worker_cut_off_from_the_broker_mid_body_finishes_once(remote_host, wo
     assert (row.state, row.attempts, row.fencing_token) == ("SUCCEEDED", 1, 1)
     assert EffectRaw.objects.filter(key=key, phase="started").count() == 1
     assert Effect.objects.filter(key=key).count() == 1
+    figures.record(**tally([execution]))

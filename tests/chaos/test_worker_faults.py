@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 from django.db import connection
@@ -19,7 +20,7 @@ from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, JobDefinition
 from taskplatform.worker.owner import parse_owner
 from tests.chaos.test_partitions import atomic_starts as redis_starts
-from tests.helpers import event_kinds, state_of
+from tests.helpers import event_kinds, state_of, tally
 from tests.testapp.models import Effect, EffectRaw
 
 pytestmark = [pytest.mark.chaos, pytest.mark.worker, pytest.mark.fault, pytest.mark.timeout(180)]
@@ -30,7 +31,8 @@ def starts(key: str) -> int:
 
 
 @pytest.mark.slow
-def test_a_body_longer_than_the_visibility_timeout_runs_once(workers, poll):
+@pytest.mark.scenario(3)
+def test_a_body_longer_than_the_visibility_timeout_runs_once(workers, poll, figures):
     """Scenario 3. Redis hands the unacknowledged message out again once the visibility timeout
     (here 3 s) passes; the second delivery finds the first attempt's lease live (renewed) and is
     absorbed as a duplicate."""
@@ -46,10 +48,12 @@ def test_a_body_longer_than_the_visibility_timeout_runs_once(workers, poll):
     assert (row.attempts, row.fencing_token) == (1, 1)
     assert starts(execution.idempotency_key) == 1
     assert Effect.objects.filter(key=execution.idempotency_key).count() == 1
+    figures.record(**tally([execution]), deliveries_absorbed=event_kinds(execution.pk).count("duplicate_delivery"))
 
 
 @pytest.mark.slow
-def test_a_countdown_longer_than_the_visibility_timeout_is_parked_and_runs_once(workers, poll):
+@pytest.mark.scenario(4)
+def test_a_countdown_longer_than_the_visibility_timeout_is_parked_and_runs_once(workers, poll, figures):
     """Scenario 4. A countdown on the Redis broker longer than the visibility timeout would be
     handed out early and again; the platform parks delays above
     TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS in the ledger and publishes them when due."""
@@ -70,10 +74,14 @@ def test_a_countdown_longer_than_the_visibility_timeout_is_parked_and_runs_once(
     assert row.started_at is not None and row.started_at >= due
     assert (row.attempts, row.publish_count) == (1, 1)
     assert starts(execution.idempotency_key) == 1
+    figures.record(
+        **tally([execution]), publications=row.publish_count, started_after_due_s=(row.started_at - due).total_seconds()
+    )
 
 
 @pytest.mark.slow
-def test_a_warm_shutdown_during_a_long_body_lets_it_finish_once(workers, poll):
+@pytest.mark.scenario(18)
+def test_a_warm_shutdown_during_a_long_body_lets_it_finish_once(workers, poll, figures):
     """Scenario 18. SIGTERM to the worker (a deploy): Celery's warm shutdown stops taking work,
     lets the running body finish and records it; nothing runs twice, nothing is lost."""
     worker = workers.start(concurrency=1)
@@ -89,9 +97,11 @@ def test_a_warm_shutdown_during_a_long_body_lets_it_finish_once(workers, poll):
     poll(lambda: state_of(sentinel.pk) == "SUCCEEDED", timeout=60, what="the new worker drained the queue")
     assert event_kinds(execution.pk)[-1] in {"succeeded", "already_finished"}
     assert starts(execution.idempotency_key) == 1
+    figures.record(**tally([execution, sentinel]))
 
 
-def test_a_hung_broker_loses_and_doubles_nothing(private_redis, workers, poll, use_broker):
+@pytest.mark.scenario(11)
+def test_a_hung_broker_loses_and_doubles_nothing(private_redis, workers, poll, use_broker, figures):
     """Scenario 11. The broker stops answering (SIGSTOP: a GC pause, a partition) while a body
     runs and while another submission is published. The body finishes on the database; the
     submission's row is committed before its publication hangs; after SIGCONT both run once."""
@@ -116,6 +126,7 @@ def test_a_hung_broker_loses_and_doubles_nothing(private_redis, workers, poll, u
         poll(lambda: submitted or Execution.objects.filter(pk__gt=first.pk).exists(), timeout=30, what="row")
     finally:
         os.kill(private_redis.proc.pid, signal.SIGCONT)
+        resumed = time.monotonic()
     publisher.join(timeout=60)
     second = submitted[0] if submitted else Execution.objects.get(pk__gt=first.pk)
 
@@ -126,10 +137,12 @@ def test_a_hung_broker_loses_and_doubles_nothing(private_redis, workers, poll, u
     poll(both_done, timeout=90, interval=0.5, what="the second execution after the broker resumed")
     assert starts(first.idempotency_key) == 1 and starts(second.idempotency_key) == 1
     assert Effect.objects.filter(key__in=[first.idempotency_key, second.idempotency_key]).count() == 2
+    figures.record(**tally([first, second]), recovery_s=time.monotonic() - resumed)
 
 
 @pytest.mark.slow
-def test_a_hard_time_limit_kills_each_attempt_and_dead_letters_after_the_last(workers, poll):
+@pytest.mark.scenario(6)
+def test_a_hard_time_limit_kills_each_attempt_and_dead_letters_after_the_last(workers, poll, figures):
     """Scenario 6 (hard limit; the soft limit is in tests/integration/test_task_options.py).
     Celery kills the pool process at the hard limit; the attempt's lease then expires and the
     rescuer re-queues it, until the attempts are spent: a dead letter, each attempt run once."""
@@ -147,10 +160,12 @@ def test_a_hard_time_limit_kills_each_attempt_and_dead_letters_after_the_last(wo
     row = Execution.objects.get(pk=execution.pk)
     assert row.attempts == 2 and "attempts exhausted: 2 of 2" in row.last_error
     assert starts(execution.idempotency_key) == 2
+    figures.record(**tally([execution]), attempts=row.attempts, state=row.state)
 
 
+@pytest.mark.scenario(7)
 @pytest.mark.parametrize(("task", "effects"), [("testapp.atomic_gated", 1), ("testapp.effect_then_wait", 2)])
-def test_a_crash_between_the_effect_and_the_ledger_commit(workers, poll, open_gate, task, effects):
+def test_a_crash_between_the_effect_and_the_ledger_commit(workers, poll, open_gate, task, effects, figures):
     """Scenario 7. The pool process dies after the body wrote its effect and before the ledger
     recorded success. Atomic: the effect rolled back with the attempt, the retry writes the
     only one. Not atomic: the effect is committed and the retry writes it again (the documented
@@ -167,6 +182,9 @@ def test_a_crash_between_the_effect_and_the_ledger_commit(workers, poll, open_ga
         poll(lambda: redis_starts(key), timeout=30, what="the atomic body started")
     open_gate("crash:2")
     os.kill(owner.pid, signal.SIGKILL)
+    killed = time.monotonic()
     poll(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=60, what="attempt 2 succeeded")
     assert Execution.objects.get(pk=execution.pk).attempts == 2
     assert Effect.objects.filter(key=key).count() == effects
+    counter = (lambda k: len(redis_starts(k))) if task == "testapp.atomic_gated" else None
+    figures.record(**tally([execution], starts=counter), recovery_s=time.monotonic() - killed)

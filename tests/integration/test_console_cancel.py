@@ -10,7 +10,7 @@ from django.test import Client
 
 from taskplatform import submit
 from taskplatform.models import Execution
-from tests.helpers import state_of, wait_for
+from tests.helpers import state_of, tally, wait_for
 from tests.testapp.models import Effect, EffectRaw
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -28,7 +28,10 @@ def cancel(execution: Execution, seen: str, action: str = "cancel") -> None:
     )  # fmt: skip
 
 
-def test_cancelling_a_running_execution_stops_its_body_and_its_write_back(workers: Any, open_gate: Any) -> None:
+@pytest.mark.scenario(17)
+def test_cancelling_a_running_execution_stops_its_body_and_its_write_back(
+    workers: Any, open_gate: Any, figures: Any
+) -> None:
     worker = workers.start(concurrency=1)
     execution = submit("testapp.effect", kwargs={"gate": "cancel-me"})
     wait_for(lambda: state_of(execution.pk) == "RUNNING", timeout=60, what="the body to start")
@@ -41,9 +44,13 @@ def test_cancelling_a_running_execution_stops_its_body_and_its_write_back(worker
     open_gate("cancel-me:1")  # had the body survived, it would now write its effect
     assert not Effect.objects.filter(key=execution.idempotency_key).exists()
     assert state_of(execution.pk) == "CANCELLED"
+    figures.record(**tally([execution]), state=state_of(execution.pk))
 
 
-def test_cancelling_a_queued_execution_means_it_never_runs(workers: Any) -> None:
+@pytest.mark.scenario(17)
+def test_cancelling_a_queued_execution_means_it_never_runs(workers: Any, figures: Any) -> None:
+    """No worker is up when the cancel is made, so no worker ever saw a revoke: the first
+    worker that starts gets the message and only the ledger's state stops it."""
     execution = submit("testapp.effect", kwargs={})
     cancel(execution, "PENDING")
     assert state_of(execution.pk) == "CANCELLED"
@@ -52,6 +59,7 @@ def test_cancelling_a_queued_execution_means_it_never_runs(workers: Any) -> None
     wait_for(lambda: state_of(probe.pk) == "SUCCEEDED", timeout=60, what="a later task")
     assert not EffectRaw.objects.filter(key=execution.idempotency_key).exists()
     assert state_of(execution.pk) == "CANCELLED"
+    figures.record(**tally([execution]), state=state_of(execution.pk))
 
 
 def test_marking_a_running_execution_failed_stops_its_body(workers: Any, open_gate: Any) -> None:

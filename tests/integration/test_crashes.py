@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import psutil
 import pytest
 
 from taskplatform import submit
+from taskplatform.conf import platform_settings
 from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution
-from tests.helpers import event_kinds, state_of
+from tests.helpers import event_kinds, state_of, tally
 from tests.testapp.models import Effect, EffectRaw
 
 pytestmark = [pytest.mark.chaos, pytest.mark.worker, pytest.mark.fault]
@@ -28,17 +30,20 @@ def running_pid(key: str, poll) -> int:
     return int(raw.pid)
 
 
-def test_pool_child_killed_mid_body_completes_exactly_once(workers, poll, open_gate):
+@pytest.mark.scenario(1)
+def test_pool_child_killed_mid_body_completes_exactly_once(workers, poll, open_gate, figures):
     worker = workers.start(concurrency=2)
     execution = submit("testapp.effect", kwargs={"gate": "kill"})
     pid = running_pid(execution.idempotency_key, poll)
     assert pid in {child.pid for child in worker.pool_children()}, "only our own pool child is signalled"
     os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
     open_gate("kill:2")  # let the next attempt through
 
     # reject_on_worker_lost re-queues the message; the new attempt sees the previous
     # owner (same node) is dead and takes over without waiting for the lease.
     poll(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=60, what="success after the kill")
+    figures.record(**tally([execution]), recovery_s=time.monotonic() - killed)
     row = Execution.objects.get(pk=execution.pk)
     assert row.attempts == 2 and row.fencing_token == 2
     assert "taken_over" in event_kinds(execution.pk)
@@ -47,13 +52,15 @@ def test_pool_child_killed_mid_body_completes_exactly_once(workers, poll, open_g
     assert Effect.objects.get(key=execution.idempotency_key).fencing_token == 2
 
 
-def test_worker_main_process_killed_is_rescued_after_its_lease_and_completes_once(workers, poll, open_gate):
+@pytest.mark.scenario(2)
+def test_worker_main_process_killed_is_rescued_after_its_lease_and_completes_once(workers, poll, open_gate, figures):
     worker = workers.start(concurrency=2)
     execution = submit("testapp.effect", kwargs={"gate": "main"})
     pid = running_pid(execution.idempotency_key, poll)
     children = worker.pool_children()
     assert pid in {c.pid for c in children}
     os.kill(worker.pid, signal.SIGKILL)
+    killed = time.monotonic()
     # Linux pool children die with their parent (PR_SET_PDEATHSIG); wait for it.
     poll(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children), timeout=30)
     open_gate("main:2")
@@ -67,6 +74,9 @@ def test_worker_main_process_killed_is_rescued_after_its_lease_and_completes_onc
         return state_of(execution.pk) == "SUCCEEDED"
 
     poll(rescued_and_done, timeout=60, interval=0.5, what="rescue and success")
+    figures.record(
+        **tally([execution]), recovery_s=time.monotonic() - killed, lease_s=platform_settings().lease_seconds
+    )
     row = Execution.objects.get(pk=execution.pk)
     assert row.attempts == 2
     assert "rescued" in event_kinds(execution.pk)
@@ -74,11 +84,15 @@ def test_worker_main_process_killed_is_rescued_after_its_lease_and_completes_onc
     assert Effect.objects.filter(key=execution.idempotency_key).count() == 1
 
 
-def test_a_poison_message_is_dead_lettered_after_its_attempts(workers, poll):
+@pytest.mark.scenario(15)
+def test_a_poison_message_is_dead_lettered_after_its_attempts(workers, poll, figures):
     workers.start(concurrency=2)
     execution = submit("testapp.poison")  # kills its pool process on every attempt; max_retries=2
     poll(lambda: state_of(execution.pk) == "FAILED", timeout=90, interval=0.2, what="dead letter")
     row = Execution.objects.get(pk=execution.pk)
+    figures.record(
+        **tally([execution]), attempts=row.attempts, state=row.state, dead_letter_after_s=figures.since_start()
+    )
     assert row.attempts == 3
     assert "attempts exhausted: 3 of 3" in row.last_error and "was lost" in row.last_error
     assert EffectRaw.objects.filter(key=execution.idempotency_key, phase="started").count() == 3

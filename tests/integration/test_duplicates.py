@@ -7,14 +7,15 @@ import pytest
 from taskplatform import submit
 from taskplatform.core.publisher import publish
 from taskplatform.models import Execution
-from tests.helpers import event_kinds, race, state_of
+from tests.helpers import event_kinds, race, state_of, tally
 from tests.testapp.models import Effect, EffectRaw
 from tests.testapp.tasks import effect
 
 pytestmark = [pytest.mark.chaos, pytest.mark.worker]
 
 
-def test_the_same_message_delivered_twice_runs_the_body_once(workers, poll, open_gate):
+@pytest.mark.scenario(16)
+def test_the_same_message_delivered_twice_runs_the_body_once(workers, poll, open_gate, figures):
     workers.start(concurrency=2)
     execution = submit("testapp.effect", kwargs={"gate": "dup"})
     poll(lambda: EffectRaw.objects.filter(key=execution.idempotency_key).exists(), timeout=30, what="first run")
@@ -34,9 +35,13 @@ def test_the_same_message_delivered_twice_runs_the_body_once(workers, poll, open
     assert Execution.objects.count() == 1
     row = Execution.objects.get(pk=execution.pk)
     assert (row.attempts, row.fencing_token) == (1, 1)
+    kinds = event_kinds(execution.pk)
+    absorbed = kinds.count("duplicate_delivery") + kinds.count("already_finished")
+    figures.record(**tally([execution]), messages=3, absorbed=absorbed)
 
 
-def test_the_same_key_submitted_from_eight_threads_is_one_execution(workers, poll):
+@pytest.mark.scenario(16)
+def test_the_same_key_submitted_from_eight_threads_is_one_execution(workers, poll, figures):
     workers.start(concurrency=2)
 
     def client(i: int, start) -> int:
@@ -49,9 +54,11 @@ def test_the_same_key_submitted_from_eight_threads_is_one_execution(workers, pol
     assert Execution.objects.count() == 1
     assert EffectRaw.objects.filter(key="order-42", phase="started").count() == 1
     assert Effect.objects.filter(key="order-42").count() == 1
+    figures.record(**tally(Execution.objects.filter(pk=ids[0])), submissions=8)
 
 
-def test_a_plain_celery_call_is_keyed_by_its_task_id_so_a_redelivery_is_absorbed(workers, poll):
+@pytest.mark.scenario(16)
+def test_a_plain_celery_call_is_keyed_by_its_task_id_so_a_redelivery_is_absorbed(workers, poll, figures):
     workers.start(concurrency=2)
     effect.apply_async(kwargs={"seconds": 0.5}, task_id="plain-call-1")
     effect.apply_async(kwargs={"seconds": 0.5}, task_id="plain-call-1")
@@ -61,3 +68,4 @@ def test_a_plain_celery_call_is_keyed_by_its_task_id_so_a_redelivery_is_absorbed
     assert Execution.objects.get().trigger == "celery"
     assert Effect.objects.filter(key="plain-call-1").count() == 1
     assert EffectRaw.objects.filter(key="plain-call-1", phase="started").count() == 1
+    figures.record(**tally(Execution.objects.all()), messages=2)

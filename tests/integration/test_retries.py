@@ -7,13 +7,14 @@ import pytest
 from taskplatform import submit
 from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, ExecutionEvent, JobDefinition
-from tests.helpers import event_kinds, state_of
+from tests.helpers import event_kinds, state_of, tally
 from tests.testapp.models import EffectRaw
 
 pytestmark = [pytest.mark.chaos, pytest.mark.worker]
 
 
-def test_retryable_failures_back_off_within_bounds_then_dead_letter_with_traceback(workers, poll):
+@pytest.mark.scenario(5)
+def test_retryable_failures_back_off_within_bounds_then_dead_letter_with_traceback(workers, poll, figures):
     workers.start(concurrency=2)
     # testapp.always_fails: retry_backoff=1, retry_backoff_max=2, retry_jitter, max_retries=3
     execution = submit("testapp.always_fails")
@@ -33,9 +34,16 @@ def test_retryable_failures_back_off_within_bounds_then_dead_letter_with_traceba
         assert 0 <= event.data["delay_seconds"] <= bound, (event.attempt, event.data)
         assert event.data["parked_in_ledger"] is False
     assert event_kinds(row.pk)[-1] == "dead_lettered"
+    figures.record(
+        **tally([execution]),
+        attempts=row.attempts,
+        delays_s=[event.data["delay_seconds"] for event in retries],
+        state=row.state,
+    )
 
 
-def test_a_non_retryable_error_fails_at_once(workers, poll):
+@pytest.mark.scenario(5)
+def test_a_non_retryable_error_fails_at_once(workers, poll, figures):
     workers.start(concurrency=1)
     execution = submit("testapp.fatal")  # FatalError is in dont_autoretry_for
     poll(lambda: state_of(execution.pk) == "FAILED", timeout=30, what="dead letter")
@@ -43,6 +51,7 @@ def test_a_non_retryable_error_fails_at_once(workers, poll):
     assert row.attempts == 1
     assert "FatalError: this input can never succeed" in row.last_error
     assert event_kinds(row.pk) == ["claimed", "dead_lettered"]
+    figures.record(**tally([execution]), attempts=row.attempts, state=row.state)
 
 
 def test_the_job_definition_overrides_the_task_retry_policy(workers, poll):
