@@ -133,7 +133,10 @@ def test_a_stale_leader_is_fenced_off(schedulers: Callable[[], LockedScheduler])
     assert a.leadership.lease is None and not a._leading
 
 
-def test_bulk_update_of_the_schedule_is_picked_up_within_one_sync(schedulers: Callable[[], LockedScheduler]) -> None:
+@pytest.mark.scenario(33)
+def test_bulk_update_of_the_schedule_is_picked_up_within_one_sync(
+    schedulers: Callable[[], LockedScheduler], figures: Any
+) -> None:
     """django-celery-beat#694: ``QuerySet.update()`` sends no signal, yet the leader sees it."""
     job = every_second_job("edited")
     leader = schedulers()
@@ -152,11 +155,18 @@ def test_bulk_update_of_the_schedule_is_picked_up_within_one_sync(schedulers: Ca
     run_beat(leader, seconds=1.2)
     disabled_at = timezone.now()
     run_beat(leader, seconds=3.5)
-    assert not Execution.objects.filter(idempotency_key__startswith="edited@", created_at__gt=disabled_at).exists()
+    while_disabled = Execution.objects.filter(idempotency_key__startswith="edited@", created_at__gt=disabled_at)
+    figures.record(
+        slots_after_edit=len(slots),
+        off_new_grid=sum(1 for s in slots if s.timestamp() % 3),
+        published_while_disabled=while_disabled.count(),
+    )
+    assert not while_disabled.exists()
 
 
+@pytest.mark.scenario(33)
 def test_pausing_a_job_stops_it_and_resuming_does_not_replay_the_pause(
-    schedulers: Callable[[], LockedScheduler],
+    schedulers: Callable[[], LockedScheduler], figures: Any
 ) -> None:
     job = every_second_job("paused")
     leader = schedulers()
@@ -170,6 +180,8 @@ def test_pausing_a_job_stops_it_and_resuming_does_not_replay_the_pause(
     resumed = timezone.now()
     run_beat(leader, seconds=2.5)
     after = Execution.objects.filter(idempotency_key__startswith="paused@", created_at__gt=paused_at)
+    replayed = [s for s in after.values_list("scheduled_for", flat=True) if s < resumed - timedelta(seconds=1)]
+    figures.record(published_after_resume=after.count(), slots_of_the_pause_replayed=len(replayed))
     assert after.exists()
     assert all(s >= resumed - timedelta(seconds=1) for s in after.values_list("scheduled_for", flat=True))
 
@@ -234,8 +246,9 @@ def test_a_new_entry_does_not_run_its_past(schedulers: Callable[[], LockedSchedu
     assert ScheduleCursor.objects.filter(name="job:fresh").exists()
 
 
+@pytest.mark.scenario(35)
 def test_a_broken_entry_is_reported_and_does_not_block_the_others(
-    schedulers: Callable[[], LockedScheduler],
+    schedulers: Callable[[], LockedScheduler], figures: Any
 ) -> None:
     every_second_job("healthy")
     bad = CrontabSchedule.objects.create(minute="0", hour="4")
@@ -245,6 +258,7 @@ def test_a_broken_entry_is_reported_and_does_not_block_the_others(
     run_beat(leader, seconds=2.2)
     assert keys("healthy")
     assert leader.table is not None and "broken" in leader.table.broken
+    figures.record(broken_entries=len(leader.table.broken), healthy_slots_published=len(keys("healthy")))
     out = StringIO()
     call_command("taskplatform", "status", "--json", stdout=out)
     status = json.loads(out.getvalue())["beat"]
@@ -305,23 +319,32 @@ def test_misconfigured_timings_are_refused_with_what_to_change(settings: dict[st
         LockedScheduler(app=celery_app)
 
 
-def test_schedule_job_refuses_bad_input_and_saves_nothing() -> None:
+@pytest.mark.scenario(35)
+def test_schedule_job_refuses_bad_input_and_saves_nothing(figures: Any) -> None:
     job = JobDefinition.objects.create(slug="bad", task="testapp.effect")
     for kwargs, message in [
         ({"cron": "61 * * * *"}, "invalid crontab"),
         ({"cron": "* * * *"}, "5 fields"),
         ({"cron": "0 4 * * *", "timezone_name": "Mars/Olympus"}, "unknown time zone"),
         ({"every_seconds": 0}, "positive"),
+        ({"cron": "1," * 5000 + "1 * * * *"}, "minute field is 10001 characters long"),
+        ({"cron": "\u0665 * * * *"}, "only ASCII"),
+        ({"cron": "0 0 30 2 *"}, "never occurs"),
         ({}, "exactly one"),
     ]:
         with pytest.raises(ConfigurationError, match=message):
             schedule_job(job, **kwargs)  # type: ignore[arg-type]
+        figures.record(inputs_refused=figures.values.get("inputs_refused", 0) + 1)
+    figures.record(schedules_saved=PeriodicTask.objects.count() + CrontabSchedule.objects.count())
     assert not PeriodicTask.objects.exists() and not CrontabSchedule.objects.exists()
     job.refresh_from_db()
     assert job.periodic_task is None
 
 
-def test_an_edit_does_not_drop_the_slot_due_at_the_next_sync(schedulers: Callable[[], LockedScheduler]) -> None:
+@pytest.mark.scenario(33)
+def test_an_edit_does_not_drop_the_slot_due_at_the_next_sync(
+    schedulers: Callable[[], LockedScheduler], figures: Any
+) -> None:
     """Edits apply from the previous sync on, so the slot due when the edit is seen still runs."""
     job = every_second_job("edited-often")
     leader = schedulers()
@@ -330,6 +353,8 @@ def test_an_edit_does_not_drop_the_slot_due_at_the_next_sync(schedulers: Callabl
         JobDefinition.objects.filter(pk=job.pk).update(kwargs={"seconds": 0, "n": n})
         run_beat(leader, seconds=1.1)
     slots = sorted(Execution.objects.filter(job=job).values_list("scheduled_for", flat=True))
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(slots)]
+    figures.record(edits=3, slots=len(slots), slots_lost=int(sum(g - 1 for g in gaps if g > 1)))
     assert len(slots) >= 5
     assert [(b - a).total_seconds() for a, b in itertools.pairwise(slots)] == [1.0] * (len(slots) - 1)
 
@@ -395,8 +420,9 @@ def test_a_first_load_longer_than_the_lease_does_not_cost_the_leadership(
     assert load_seconds > lease, f"the load took {load_seconds:.2f} s only; raise BIG_SCHEDULE"
     timings = {
         "TASKPLATFORM_BEAT_LEASE_SECONDS": lease,
-        "TASKPLATFORM_BEAT_TICK_SECONDS": lease / 3,
-        "TASKPLATFORM_BEAT_STEP_DOWN_SECONDS": lease / 3,
+        # Just under a third: lease / 3 * 3 can come out one ulp above the lease and be refused.
+        "TASKPLATFORM_BEAT_TICK_SECONDS": lease / 3.001,
+        "TASKPLATFORM_BEAT_STEP_DOWN_SECONDS": lease / 3.001,
         "TASKPLATFORM_BEAT_SYNC_SECONDS": 60.0,
     }
     with override_settings(**timings):
@@ -422,8 +448,9 @@ def unknown_to_this_process(task_name: str) -> Iterator[None]:
         celery_app.tasks[task_name] = task
 
 
+@pytest.mark.scenario(34)
 def test_a_slot_that_cannot_be_submitted_is_dead_lettered_and_an_operator_retry_runs_it(
-    schedulers: Callable[[], LockedScheduler], workers: Any
+    schedulers: Callable[[], LockedScheduler], workers: Any, figures: Any
 ) -> None:
     job = every_second_job("rolling-deploy")
     with unknown_to_this_process("testapp.effect"):
@@ -440,6 +467,7 @@ def test_a_slot_that_cannot_be_submitted_is_dead_lettered_and_an_operator_retry_
         assert "unknown task 'testapp.effect'" in row.last_error
         assert "dead_lettered" in event_kinds(row.pk)
     assert leader.stats.dead_lettered == len(rows) and leader.stats.published == 0
+    figures.record(slots=len(rows), dead_lettered=leader.stats.dead_lettered, published=leader.stats.published)
     cursor = ScheduleCursor.objects.get(name="job:rolling-deploy")
     assert cursor.last_slot == slots[-1]
 

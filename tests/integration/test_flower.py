@@ -92,19 +92,46 @@ def test_flower_shows_a_completed_task_to_an_authenticated_operator(workers: Any
     assert info["uuid"] == task_id
 
 
-def test_flower_refuses_requests_without_or_with_wrong_credentials(flower: str) -> None:
-    assert get(f"{flower}/api/workers")[0] == 401
-    assert get(f"{flower}/api/workers", (USER, "wrong"))[0] == 401
-    assert get(f"{flower}/")[0] == 401
-    assert get(f"{flower}/metrics")[0] == 401  # open in stock Flower (flower#1342); closed by config.flower
+def post(url: str, auth: tuple[str, str] | None = None) -> int:
+    request = urllib.request.Request(url, data=b"{}", method="POST")
+    if auth:
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.mark.scenario(38)
+def test_flower_refuses_requests_without_or_with_wrong_credentials(flower: str, figures: Any) -> None:
+    refused = [
+        get(f"{flower}/api/workers")[0],
+        get(f"{flower}/api/workers", (USER, "wrong"))[0],
+        get(f"{flower}/")[0],
+        get(f"{flower}/metrics")[0],  # open in stock Flower (flower#1342); closed by config.flower
+        post(f"{flower}/api/task/async-apply/testapp.effect"),  # the API that runs tasks
+        post(f"{flower}/api/task/async-apply/testapp.effect", (USER, "wrong")),
+    ]
+    figures.record(anonymous_or_wrong_requests=len(refused), answered_401=refused.count(401))
+    assert refused == [401] * len(refused)
     status, body = get(f"{flower}/metrics", (USER, PASSWORD))
     assert status == 200 and b"flower_" in body
     assert get(f"{flower}/api/workers", (USER, PASSWORD))[0] == 200
 
 
-def test_flower_will_not_start_without_authentication(tmp_path: Path) -> None:
+@pytest.mark.scenario(38)
+def test_flower_will_not_start_without_authentication(tmp_path: Path, figures: Any) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWER_")}
-    for extra in ({}, {"FLOWER_BASIC_AUTH": "operator:"}):
+    unsafe = [
+        ({}, b"FLOWER_BASIC_AUTH"),
+        ({"FLOWER_BASIC_AUTH": "operator:"}, b"FLOWER_BASIC_AUTH"),
+        ({"FLOWER_AUTH": ".*@example.com"}, b"must end with $"),  # CVE-2022-30034: unanchored
+        ({"FLOWER_BASIC_AUTH": "operator:pw", "FLOWER_UNAUTHENTICATED_API": "true"}, b"FLOWER_UNAUTHENTICATED_API"),
+    ]
+    refusals = 0
+    for extra, message in unsafe:
         proc = subprocess.run(
             [str(ROOT / "bin" / "flower")],
             cwd=ROOT,
@@ -112,5 +139,7 @@ def test_flower_will_not_start_without_authentication(tmp_path: Path) -> None:
             capture_output=True,
             timeout=30,
         )
-        assert proc.returncode == 2
-        assert b"FLOWER_BASIC_AUTH" in proc.stderr
+        assert proc.returncode == 2, extra
+        assert message in proc.stderr, (extra, proc.stderr)
+        refusals += 1
+    figures.record(unsafe_configurations=len(unsafe), refused_to_start=refusals)

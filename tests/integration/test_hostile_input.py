@@ -174,6 +174,7 @@ def assert_refusal_wrote_nothing(response: Any, before: dict[str, int]) -> None:
 POST_URLS = ["/api/coupons/", "/api/reconciliations/", "/api/inventory/sync"]
 
 
+@pytest.mark.scenario(36)
 @pytest.mark.parametrize("url", POST_URLS)
 @BOUNDED
 @given(data=st.data(), key=HEADER_TEXT)
@@ -257,6 +258,7 @@ def job_forms(draw: Any) -> dict[str, str]:
     }  # fmt: skip
 
 
+@pytest.mark.scenario(34, 35, 36)
 @settings(BOUNDED, max_examples=40)
 @given(form=job_forms())
 def test_no_job_form_input_makes_the_admin_fail_or_half_write(admin: Client, form: dict[str, str]) -> None:

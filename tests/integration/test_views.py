@@ -154,17 +154,20 @@ def test_the_same_key_for_a_different_request_is_refused(alice: User, campaign: 
         (None, b'{"campaign": 1e999}', {}, "too large for a float"),
     ],
 )
+@pytest.mark.scenario(36)
 def test_bad_input_is_a_400_with_a_message_and_records_nothing(
-    alice: User, campaign: Campaign, body: Any, raw: bytes | None, headers: dict[str, str], fragment: str
+    alice: User, campaign: Campaign, body: Any, raw: bytes | None, headers: dict[str, str], fragment: str, figures: Any
 ) -> None:
     client = token_client(alice)
     data = raw if raw is not None else json.dumps(body)
     response = client.post(URL, data=data, content_type="application/json", **headers)
+    figures.record(refused=int(response.status_code == 400), rows_written=Execution.objects.count())
     assert response.status_code == 400
     assert fragment in response.json()["detail"]
     assert not Execution.objects.exists() and not ClientRequest.objects.exists()
 
 
+@pytest.mark.scenario(36)
 def test_an_oversized_body_is_a_413_and_records_nothing(alice: User, campaign: Campaign, settings: Any) -> None:
     settings.TASKPLATFORM_MAX_ARGS_BYTES = 1024
     response = post(token_client(alice), {"campaign": "winter", "padding": "x" * 2000})

@@ -74,14 +74,16 @@ def operator_events(execution: Execution) -> list[ExecutionEvent]:
         ("mark_succeeded", "mark_succeeded_execution", State.FAILED, State.SUCCEEDED),
     ],
 )
+@pytest.mark.scenario(39)
 def test_each_action_needs_its_permission_a_confirmation_and_a_reason_and_is_audited(
-    action: str, codename: str, state: str, target: str
+    action: str, codename: str, state: str, target: str, figures: Any
 ) -> None:
     execution = make_execution(f"{action}-1", state)
 
     without = operator(username="viewer")
     act(without, action, [execution], reason="should not happen")
     execution.refresh_from_db()
+    unpermitted = int(execution.state != state) + len(operator_events(execution))
     assert execution.state == state and not operator_events(execution)
 
     client = operator(codename)
@@ -109,8 +111,14 @@ def test_each_action_needs_its_permission_a_confirmation_and_a_reason_and_is_aud
     again = act(client, action, [execution], reason="customer called, ticket 42", **{f"expected_{execution.pk}": state})
     assert b"not changed" in again.content
     assert len(operator_events(execution)) == 1
+    figures.record(
+        unpermitted_changes=unpermitted,
+        audited_actions=len(operator_events(execution)),
+        second_submits_acted=len(operator_events(execution)) - 1,
+    )
 
 
+@pytest.mark.scenario(39)
 def test_an_illegal_request_is_refused_with_a_message_and_changes_nothing() -> None:
     running = make_execution("running-1", State.RUNNING)
     client = operator("retry_execution")
@@ -187,7 +195,8 @@ def test_requeue_dead_letters_leaves_other_selected_rows_alone() -> None:
         (CHANGELIST, "mark_succeeded", State.FAILED),
     ],
 )
-def test_csrf_is_enforced_on_every_execution_action(url: str, action: str, state: str) -> None:
+@pytest.mark.scenario(39)
+def test_csrf_is_enforced_on_every_execution_action(url: str, action: str, state: str, figures: Any) -> None:
     execution = make_execution(f"csrf-{action}", state)
     User.objects.create_superuser("root", password="pw")
     browser = Client(enforce_csrf_checks=True)
@@ -197,11 +206,13 @@ def test_csrf_is_enforced_on_every_execution_action(url: str, action: str, state
         {"action": action, "_selected_action": [execution.pk], "confirm": "yes", "reason": "x",
          f"expected_{execution.pk}": state},
     )  # fmt: skip
+    figures.record(posts_without_token=1, answered_403=int(response.status_code == 403))
     assert response.status_code == 403
     execution.refresh_from_db()
     assert execution.state == state and not operator_events(execution)
 
 
+@pytest.mark.scenario(39)
 def test_csrf_is_enforced_on_job_and_lock_actions() -> None:
     job = JobDefinition.objects.create(slug="csrf-job", task="testapp.effect")
     lease = get_lock_backend().acquire("csrf-lock", 600)
@@ -290,7 +301,8 @@ def test_pause_resume_are_permissioned_and_audited() -> None:
     ]
 
 
-def test_run_now_twice_with_the_same_form_runs_once() -> None:
+@pytest.mark.scenario(39)
+def test_run_now_twice_with_the_same_form_runs_once(figures: Any) -> None:
     job = JobDefinition.objects.create(slug="adhoc", task="testapp.effect")
     client = operator("run_jobdefinition")
     confirm = client.post(JOBS, {"action": "run_now", "_selected_action": [job.pk]})
@@ -300,6 +312,7 @@ def test_run_now_twice_with_the_same_form_runs_once() -> None:
     client.post(JOBS, form)
     client.post(JOBS, form)
     executions = Execution.objects.filter(job=job)
+    figures.record(submits=2, executions=executions.count())
     assert executions.count() == 1
     assert executions.get().trigger == "admin" and executions.get().idempotency_key == f"adhoc@admin:{token}"
     assert OperatorAction.objects.filter(action="run_job_now").count() == 1
@@ -455,12 +468,16 @@ def test_one_page_creates_a_job_with_its_cron_schedule_in_a_time_zone() -> None:
         ({"cron": "0 0 * * " + ",".join(["mon"] * 20)}, "cron", "day of week field"),
     ],
 )
-def test_bad_job_input_never_saves_and_says_what_is_wrong(overrides: dict[str, str], field: str, fragment: str) -> None:
+@pytest.mark.scenario(34, 35, 36)
+def test_bad_job_input_never_saves_and_says_what_is_wrong(
+    overrides: dict[str, str], field: str, fragment: str, figures: Any
+) -> None:
     client = operator("add_jobdefinition")
     response = client.post(JOBS + "add/", job_form(**overrides))
     assert response.status_code == 200
     errors = response.context["adminform"].form.errors
     assert field in errors and fragment in " ".join(errors[field]), errors
+    figures.record(refused=1, jobs_saved=JobDefinition.objects.count())
     assert not JobDefinition.objects.exists()
 
 

@@ -38,16 +38,20 @@ def nothing_recorded() -> bool:
         (lambda: submit("testapp.effect", eta=dt.datetime(2030, 1, 1)), InvalidArgumentsError, "timezone-aware"),
     ],
 )
-def test_bad_input_is_refused_with_a_clear_error_and_nothing_recorded(call, error, message):
+@pytest.mark.scenario(34, 36)
+def test_bad_input_is_refused_with_a_clear_error_and_nothing_recorded(call, error, message, figures):
     with pytest.raises(error, match=message):
         call()
+    figures.record(refused=1, rows_written=Execution.objects.count() + ExecutionEvent.objects.count())
     assert nothing_recorded()
 
 
+@pytest.mark.scenario(36)
 @override_settings(TASKPLATFORM_MAX_ARGS_BYTES=1024)
-def test_oversized_arguments_are_refused_and_the_limit_is_configurable():
+def test_oversized_arguments_are_refused_and_the_limit_is_configurable(figures):
     with pytest.raises(PayloadTooLargeError, match="the limit is 1024 bytes"):
         submit("testapp.effect", ["x" * 2000])
+    figures.record(refused=1, rows_written=Execution.objects.count())
     assert nothing_recorded()
     submit("testapp.effect", ["x" * 500], on_commit=False)
     assert Execution.objects.count() == 1

@@ -6,13 +6,16 @@ import pytest
 from celery import current_app
 from django.test import override_settings
 
-from taskplatform.checks import check_beat, check_celery, check_database, check_settings
+from taskplatform.checks import check_beat, check_celery, check_database, check_exposed_services, check_settings
 
 
 @pytest.fixture
 def celery_conf():
     conf = current_app.conf
-    saved = {k: conf.get(k) for k in ("accept_content", "broker_transport_options", "task_serializer")}
+    saved = {
+        k: conf.get(k)
+        for k in ("accept_content", "broker_transport_options", "task_serializer", "broker_url", "result_backend")
+    }
     yield conf
     for key, value in saved.items():
         conf[key] = value
@@ -38,6 +41,7 @@ def test_a_failover_above_ten_seconds_is_warned_about():
     assert ids(check_beat()) == {"taskplatform.W031"}
 
 
+@pytest.mark.scenario(37)
 def test_pickle_is_refused(celery_conf):
     unsafe = "pickle"  # what the check must refuse
     celery_conf.accept_content = ["json", unsafe]
@@ -67,3 +71,36 @@ def test_the_ledger_on_sqlite_is_warned_about_and_other_databases_are_not():
 
     expected = {"taskplatform.W016"} if connections["default"].vendor == "sqlite" else set()
     assert ids(check_database()) == expected
+
+
+@pytest.mark.scenario(38)
+@pytest.mark.parametrize(
+    ("broker", "result", "lock", "refused"),
+    [
+        ("redis://10.1.2.3:6379/0", None, "db://", ["the broker"]),
+        ("redis://:s3cret@10.1.2.3:6379/0", "redis://cache.internal/1", "db://", ["the result backend"]),
+        ("amqp://guest:guest@mq.internal:5672//", None, "redis://locks.internal:6379/0", ["the broker", "lock"]),
+        ("amqp://app:s3cret@mq.internal:5672//", None, "redis://:pw@locks.internal:6379/0", []),
+        ("redis://127.0.0.1:6379/0", "redis://localhost/1", "redis://[::1]:6379/0", []),
+    ],
+)
+def test_a_data_service_on_another_host_without_credentials_fails_the_deploy_check(
+    celery_conf, monkeypatch, broker, result, lock, refused, figures
+):
+    monkeypatch.setenv("CELERY_BROKER_URL", broker)  # Celery reads the environment first
+    monkeypatch.delenv("CELERY_RESULT_BACKEND", raising=False)
+    celery_conf.broker_url = broker
+    celery_conf.result_backend = result
+    with override_settings(TASKPLATFORM_LOCK_URL=lock):
+        messages = check_exposed_services()
+    assert [m.id for m in messages] == ["taskplatform.E040"] * len(refused)
+    for message, what in zip(messages, refused, strict=True):
+        assert message.msg.startswith(what) and ("password" in message.msg or "guest" in message.msg)
+    figures.record(exposed_urls=len(refused), refused=len(messages))
+
+
+def test_the_exposure_check_runs_with_check_deploy_only():
+    from django.core.checks import registry
+
+    assert check_exposed_services in registry.registry.get_checks(include_deployment_checks=True)
+    assert check_exposed_services not in registry.registry.get_checks(include_deployment_checks=False)

@@ -37,6 +37,7 @@ from taskplatform.scheduling.slots import (
     MisfirePolicy,
     Schedule,
     format_slot,
+    parse_cron,
     plan_due,
     slot_key,
 )
@@ -163,14 +164,17 @@ SPECIFIC_HOUR: list[Any] = [
 ]  # fmt: skip
 
 
+@pytest.mark.scenario(29)
 @pytest.mark.parametrize(("zone", "minute", "hour", "day", "expected", "wall"), SPECIFIC_HOUR)
 def test_a_specific_hour_runs_once_per_local_day_across_dst(
-    zone: str, minute: str, hour: str, day: date, expected: tuple[datetime, ...], wall: tuple[str, ...]
+    zone: str, minute: str, hour: str, day: date, expected: tuple[datetime, ...], wall: tuple[str, ...], figures: Any
 ) -> None:
     assert walls(expected, zone) == list(wall), "the table row itself disagrees with tzdata"
     schedule = Crontab(minute=minute, hour=hour, timezone=zone)
 
-    assert slots_of_local_day(schedule, zone, day) == list(expected)
+    slots = slots_of_local_day(schedule, zone, day)
+    figures.record(local_days=1, slots=len(slots), doubled=len(slots) - len(set(slots)))
+    assert slots == list(expected)
     after, _ = local_day_window(zone, day)
     assert schedule.next_after(after) == expected[0]
 
@@ -290,6 +294,7 @@ WILDCARD_HOUR: list[Any] = [
 ]  # fmt: skip
 
 
+@pytest.mark.scenario(29)
 @pytest.mark.parametrize(
     ("zone", "minute", "hour", "day", "day_hours", "count", "first", "last", "around", "wall", "wall_slots"),
     WILDCARD_HOUR,
@@ -306,12 +311,14 @@ def test_a_wildcard_hour_follows_real_time_across_dst(
     around: tuple[datetime, ...],
     wall: str,
     wall_slots: tuple[datetime, ...],
+    figures: Any,
 ) -> None:
     after, until = local_day_window(zone, day)
     assert until - after == day_hours * HOUR, "the table row's transition claim disagrees with tzdata"
     schedule = Crontab(minute=minute, hour=hour, timezone=zone)
 
     slots = slots_of_local_day(schedule, zone, day)
+    figures.record(local_days=1, slots=len(slots), doubled=len(slots) - len(set(slots)))
 
     assert len(slots) == count
     assert (slots[0], slots[-1]) == (first, last)
@@ -858,13 +865,35 @@ def test_no_owed_slot_is_an_empty_plan_with_the_cursor_unchanged(schedule: Sched
         pytest.param({"minute": ""}, " * * * *", id="minute-empty"),
     ],
 )
+@pytest.mark.scenario(35)
 def test_a_malformed_crontab_field_is_a_configuration_error_naming_the_expression(
-    fields: dict[str, str], expression: str
+    fields: dict[str, str], expression: str, figures: Any
 ) -> None:
     with pytest.raises(ConfigurationError) as caught:
         Crontab(timezone=BERLIN, **fields)
+    figures.record(refused=1)
     assert "invalid crontab" in str(caught.value)
     assert repr(expression) in str(caught.value)
+
+
+@pytest.mark.scenario(35)
+@pytest.mark.parametrize(
+    ("expression", "zone", "fragment"),
+    [
+        pytest.param("* * * *", "UTC", "5 fields", id="four-fields"),
+        pytest.param("0 0 * * * * 2026", "UTC", "5 fields", id="seven-fields"),
+        pytest.param("", "UTC", "5 fields", id="empty"),
+        pytest.param("\u0665 * * * *", "UTC", "invalid crontab", id="arabic-indic-digit"),
+        pytest.param("0 0 30 2 *", "UTC", "never occurs", id="february-30-never-fires"),
+        pytest.param("30 2 * * *", "Europe/Atlantis", "unknown time zone", id="unknown-zone"),
+    ],
+)
+def test_a_malformed_cron_expression_is_refused_with_what_is_wrong(
+    expression: str, zone: str, fragment: str, figures: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match=fragment):
+        parse_cron(expression, zone)
+    figures.record(refused=1)
 
 
 @pytest.mark.parametrize("zone", ["Mars/Olympus", "Europe/Berlinn", "", "../etc/passwd"])

@@ -169,3 +169,56 @@ def check_database(app_configs: Any = None, databases: Any = None, **kwargs: Any
             id="taskplatform.W016",
         )
     ]
+
+
+#: Hosts a service may listen on without credentials: only this machine reaches them.
+LOOPBACK = {"localhost", "127.0.0.1", "::1", ""}
+
+
+def _exposed(url: str) -> str:
+    """Why ``url`` (a broker, result backend or lock server) is open to anyone who can reach it, or ''."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host = (parts.hostname or "").lower()
+    except ValueError:
+        return ""
+    if host in LOOPBACK or host.startswith("127.") or parts.scheme.startswith(("memory", "db", "sqla", "file")):
+        return ""
+    if parts.scheme in {"redis", "rediss", "redis+socket"} and not parts.password:
+        return f"{parts.scheme}://{host}:{parts.port or 6379} is used without a password"
+    if parts.scheme in {"amqp", "amqps", "pyamqp"} and (parts.username or "guest") == "guest":
+        return f"{parts.scheme}://{host} is used as RabbitMQ's default user guest"
+    return ""
+
+
+@register("taskplatform", deploy=True)
+def check_exposed_services(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """``manage.py check --deploy``: no broker, result backend or lock server on another host
+    without credentials (a Redis anyone on the network can write to runs anyone's tasks)."""
+    conf = _celery_conf()
+    urls = {"the broker (CELERY_BROKER_URL)": str(conf.broker_url or "")}
+    if conf.result_backend:
+        urls["the result backend"] = str(conf.result_backend)
+    for alias in sorted(set(platform_settings().lock_backends or {}) | {"default"}):
+        try:
+            options = backend_config(alias).get("OPTIONS", {})
+        except TaskPlatformError:
+            continue  # reported by check_lock_backends
+        for n, url in enumerate([options.get("url", "")] + list(options.get("urls", []))):
+            if url:
+                urls[f"lock backend {alias!r} ({n})"] = str(url)
+    errors: list[CheckMessage] = []
+    for what, url in urls.items():
+        problem = _exposed(url)
+        if problem:
+            errors.append(
+                Error(
+                    f"{what}: {problem}",
+                    hint="Give the service a password (Redis requirepass or an ACL user; a RabbitMQ user "
+                    "other than guest) and put it in the URL, or keep it on the loopback interface.",
+                    id="taskplatform.E040",
+                )
+            )
+    return errors

@@ -103,6 +103,23 @@ def save_job(job: JobDefinition, *, schedule: dict[str, Any] | None, user: str, 
             clear_schedule(job)
 
 
+#: The five cron fields, named as ``CrontabSchedule``'s columns.
+CRON_FIELDS = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
+
+
+def cron_field_too_long(expression: str) -> str:
+    """Why a field of ``expression`` does not fit its ``CrontabSchedule`` column, or ''.
+
+    Checked before saving: PostgreSQL would refuse the row with a DataError, and SQLite would
+    store it anyway.
+    """
+    for name, part in zip(CRON_FIELDS, expression.split(), strict=False):
+        limit = CrontabSchedule._meta.get_field(name).max_length
+        if limit is not None and len(part) > limit:
+            return f"the {name.replace('_', ' ')} field is {len(part)} characters long; at most {limit} are stored"
+    return ""
+
+
 def schedule_job(
     job: JobDefinition,
     *,
@@ -126,6 +143,9 @@ def schedule_job(
     fields: dict[str, Any] = {"interval": None, "crontab": None, "clocked": None, "solar": None, "one_off": False}
     with transaction.atomic():
         if cron is not None:
+            too_long = cron_field_too_long(cron)
+            if too_long:
+                raise ConfigurationError(too_long)
             spec = parse_cron(cron, timezone_name)  # raises ConfigurationError on bad input
             minute, hour, dom, month, dow = (
                 spec.minute,

@@ -22,7 +22,6 @@ from django import forms
 from django.contrib.admin.widgets import AdminSplitDateTime
 from django.core.exceptions import ValidationError
 from django.utils import timezone
-from django_celery_beat.models import CrontabSchedule
 
 from .. import jobs
 from ..core.validation import is_idempotent, registered_task
@@ -39,8 +38,6 @@ SCHEDULE_KINDS = [
 ]
 #: Upper bound of the time limits an operator may set (a week).
 MAX_TIME_LIMIT_SECONDS = 7 * 86_400
-#: The five cron fields, in order, as django-celery-beat's ``CrontabSchedule`` names them.
-CRON_FIELDS = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
 
 
 @cache
@@ -242,11 +239,9 @@ class JobDefinitionForm(forms.ModelForm):
     def clean_cron(self) -> str:
         """Each cron field must fit its ``CrontabSchedule`` column (SQLite would not say so)."""
         value = str(self.cleaned_data.get("cron") or "")
-        for name, part in zip(CRON_FIELDS, value.split(), strict=False):
-            limit = CrontabSchedule._meta.get_field(name).max_length
-            if limit is not None and len(part) > limit:
-                label = name.replace("_", " ")
-                raise ValidationError(f"the {label} field is {len(part)} characters long; at most {limit} are stored")
+        too_long = jobs.cron_field_too_long(value)
+        if too_long:
+            raise ValidationError(too_long)
         return value
 
     def clean(self) -> dict[str, Any]:

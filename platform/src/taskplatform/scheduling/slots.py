@@ -148,6 +148,9 @@ class Crontab(Schedule):
     _real_time: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not self.expression.isascii():
+            # int() reads any Unicode digit ("٥" is 5); a schedule is written in ASCII or refused.
+            raise ConfigurationError(f"invalid crontab {self.expression!r}: only ASCII characters are allowed")
         try:
             spec: Any = celery_crontab(
                 minute=self.minute,
