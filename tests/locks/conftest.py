@@ -61,7 +61,12 @@ class RedisClusterNodes:
         return next(n for n in self.nodes if n.port == port)
 
     def healthy(self) -> bool:
-        """Every live node reports the cluster ok."""
+        """Every live node reports the cluster ok, and every replica is in sync with its master.
+
+        Without the second condition a test right after ``--cluster create`` (or after a
+        failover) meets replicas still in their first sync: ``WAIT`` cannot confirm a grant
+        and a master failover loses it.
+        """
         for node in self.nodes:
             if node.proc is None or node.proc.poll() is not None:
                 continue
@@ -69,6 +74,13 @@ class RedisClusterNodes:
                 ["redis-cli", "-p", str(node.port), "cluster", "info"], capture_output=True, text=True, timeout=5
             ).stdout
             if "cluster_state:ok" not in out:
+                return False
+            replication = subprocess.run(
+                ["redis-cli", "-p", str(node.port), "info", "replication"], capture_output=True, text=True, timeout=5
+            ).stdout
+            if "role:slave" in replication and (
+                "master_link_status:up" not in replication or "master_sync_in_progress:0" not in replication
+            ):
                 return False
         return True
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -15,13 +16,19 @@ from tests.locks.conftest import make_backend
 pytestmark = [pytest.mark.chaos, pytest.mark.fault]
 
 
-def test_redis_cluster_master_failover_keeps_the_lease_and_tokens_increasing(request, redis_cluster, lock_name):
+@pytest.mark.scenario(25)
+@pytest.mark.timeout(120)
+def test_redis_cluster_master_failover_keeps_the_lease_and_tokens_increasing(
+    request, redis_cluster, lock_name, figures
+):
     backend = make_backend("redis_cluster", request)
     lease = backend.acquire(lock_name, 30, identity="leader")
     assert lease is not None
+    token_before = lease.token
     master = backend.client.get_node_from_key(backend.key(lock_name))
     victim = redis_cluster.by_port(int(master.port))
     os.kill(victim.proc.pid, signal.SIGKILL)  # the master holding the lock's slot
+    killed = time.monotonic()
     victim.proc.wait(timeout=10)
     try:
         # The replica is promoted after the node timeout (2 s); the grant was replicated (WAIT).
@@ -32,10 +39,15 @@ def test_redis_cluster_master_failover_keeps_the_lease_and_tokens_increasing(req
                 return None  # the client is still finding the new master
 
         lease = wait_for(renewed, timeout=30, interval=0.2, what="renewal through the promoted replica")
-        assert backend.acquire(lock_name, 30, identity="usurper") is None
+        failover_s = time.monotonic() - killed
+        usurper = backend.acquire(lock_name, 30, identity="usurper")
+        figures.record(failover_s=failover_s, holders_at_once=1 + (usurper is not None))
+        assert usurper is None
         assert backend.release(lease)
         successor = backend.acquire(lock_name, 30, identity="next")
-        assert successor is not None and successor.token > lease.token
+        assert successor is not None
+        figures.record(token_before=token_before, token_after=successor.token)
+        assert successor.token > lease.token
     finally:
         victim.start()  # rejoins as a replica of the promoted node
         wait_for(redis_cluster.healthy, timeout=30, interval=0.2, what="cluster healthy again")
