@@ -171,7 +171,7 @@ def test_on_fresh_redlock_nodes_nobody_gets_a_lock_until_the_quarantine_is_over(
     backend = redlock_backend(nodes, aged=False, max_ttl_seconds=2)
     try:
         started = time.monotonic()
-        with caplog.at_level("WARNING", logger="taskplatform.locks"):
+        with caplog.at_level("WARNING", logger="taskplatform.backends"):
             assert backend.acquire(lock_name, 2, identity="first") is None
             assert backend.acquire(lock_name, 2, identity="first") is None
         warnings = [r for r in caplog.records if "does not count toward a quorum" in r.getMessage()]

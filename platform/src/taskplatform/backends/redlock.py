@@ -30,6 +30,8 @@ largest TTL. This backend enforces it instead of trusting operations to:
 * A node that persists its data (``appendonly yes``, ``appendfsync always``) keeps its born
   key across restarts and is not quarantined again. A node that came back without data is
   quarantined even if the operator kept it down long enough: it cannot know that.
+* The quarantine runs on the node's wall clock, like its TTLs: a step back lengthens it
+  (safe), a step forward shortens it — the bounded-clock assumption above.
 
 The cost: on a first deployment (or after every node lost its data) every node is fresh,
 and nobody can acquire a lock for the quarantine (60 s by default; a beat leader is then
@@ -56,7 +58,7 @@ from ..exceptions import LockError
 from .base import CLOCK_DRIFT_FACTOR, Lease, LockBackend, LockInfo, new_owner
 from .redis import RELEASE, import_redis
 
-log = logging.getLogger("taskplatform.locks")
+log = logging.getLogger("taskplatform.backends")
 
 #: KEYS: lock, fence, born. ARGV: owner, ttl ms, quarantine ms. Replies: the node's fencing
 #: counter (granted), nil (held by someone else), or {'quarantined', ms left}.
