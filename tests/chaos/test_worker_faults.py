@@ -188,3 +188,31 @@ def test_a_crash_between_the_effect_and_the_ledger_commit(workers, poll, open_ga
     assert Effect.objects.filter(key=key).count() == effects
     counter = (lambda k: len(redis_starts(k))) if task == "testapp.atomic_gated" else None
     figures.record(**tally([execution], starts=counter), recovery_s=time.monotonic() - killed)
+
+
+@pytest.mark.slow
+@pytest.mark.scenario(18)
+def test_a_cold_shutdown_during_a_long_atomic_body_runs_it_again_once(workers, poll, open_gate, figures):
+    """Scenario 18, the cold variant (SIGQUIT, or a warm shutdown cut short): the body is killed
+    mid-way. Its message was not acknowledged, so it comes back; the next worker finds the dead
+    attempt (its owner is gone) and runs attempt 2. Atomic: the first attempt's effect rolled
+    back with it, one effect in all."""
+    worker = workers.start(concurrency=1)
+    execution = submit("testapp.atomic_gated", kwargs={"gate": "cold"})
+    key = execution.idempotency_key
+    poll(lambda: redis_starts(key), timeout=60, what="the atomic body started")
+    os.kill(worker.pid, signal.SIGQUIT)
+    stopped = time.monotonic()
+    poll(lambda: not worker.alive(), timeout=60, what="the worker to exit at once")
+    open_gate("cold:2")
+    workers.start(concurrency=1)
+
+    def done() -> bool:
+        run_rescuer()  # the message is back on the queue, or the lease expires: either way once
+        return state_of(execution.pk) == "SUCCEEDED"
+
+    poll(done, timeout=90, interval=0.5, what="attempt 2 after the cold shutdown")
+    figures.record(**tally([execution], starts=lambda k: len(redis_starts(k))), recovery_s=time.monotonic() - stopped)
+    assert [s.split(":")[0] for s in redis_starts(key)] == ["1", "2"]
+    assert Effect.objects.filter(key=key).count() == 1
+    assert Execution.objects.get(pk=execution.pk).fencing_token == 2
