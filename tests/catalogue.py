@@ -195,13 +195,17 @@ SCENARIOS: tuple[Scenario, ...] = (
         25,
         BEAT,
         "Redis Cluster failover of the shard holding the lock",
-        "the replica is promoted; the lease is found on it and the fencing tokens keep increasing.",
+        "the replica is promoted (a 2 s node timeout here); each grant waited for a replica (`WAIT`), "
+        "so the lease is renewed through the promoted node, nobody else gets it, and the next token is larger.",
     ),
     Scenario(
         26,
         BEAT,
         "Redlock node crash and immediate restart without persistence",
-        "a node that restarted is not counted for a lease's length; the quorum and the token order hold.",
+        "a node that lost its data takes no lock and does not count toward a quorum for "
+        "`restart_quarantine_seconds` (at least the largest lease, 60 s by default), timed on its own "
+        "clock: the old holder's renewal fails, nobody else holds the lock meanwhile, and the next "
+        "holder's token is larger. Before this guard: two holders at once.",
     ),
     Scenario(
         27,
