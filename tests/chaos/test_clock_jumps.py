@@ -21,11 +21,14 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from taskplatform.models import BeatProcess, Execution, ExecutionEvent
+from taskplatform import submit
+from taskplatform.core.rescuer import run_rescuer
+from taskplatform.models import BeatProcess, Execution, ExecutionEvent, JobDefinition
 from tests.beat.test_ha import broker_messages, every_second_job, leader_pid
+from tests.chaos.test_clocks import skewed
 from tests.conftest import broker_url, redis_flushdb
-from tests.helpers import wait_for
-from tests.testapp.models import EffectRaw
+from tests.helpers import event_kinds, state_of, wait_for
+from tests.testapp.models import Effect, EffectRaw
 
 pytestmark = [pytest.mark.scenario(27), pytest.mark.fault, pytest.mark.timeout(180)]
 
@@ -149,3 +152,105 @@ def test_a_beat_whose_clock_jumps_between_syncs_publishes_each_slot_on_time(beat
     published = set(Execution.objects.filter(job=job).values_list("idempotency_key", flat=True))
     assert set(by_beat) == published and set(by_beat.values()) == {1}, f"not one message per slot: {by_beat}"
     assert set(republished) <= set(before) and set(republished.values()) <= {1}, republished
+
+
+# --- the worker ----------------------------------------------------------------------------------
+
+
+def worker_clock_skew(execution_id: int) -> float:
+    """The worker's wall clock minus the database's, read from the row it last wrote (each
+    lease renewal stamps ``updated_at`` with the worker's clock)."""
+    updated_at = Execution.objects.values_list("updated_at", flat=True).get(pk=execution_id)
+    return (updated_at - db_now()).total_seconds()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jump", list(JUMP))
+def test_a_worker_whose_clock_jumps_mid_body_keeps_its_lease_and_runs_once(
+    workers, poll, jumpable_clock, figures, jump
+):
+    """A body three times its lease long; the worker's wall clock jumps ±10 min a second into
+    it. The lease is the database's instant, renewed by the monotonic clock: never rescued,
+    one body start, one effect."""
+    seconds = JUMP[jump]
+    workers.start(concurrency=1, env=jumpable_clock.env)
+    job = JobDefinition.objects.create(slug=f"jumping-worker-{seconds:+d}", task="testapp.effect", lease_seconds=3)
+    execution = submit(job, kwargs={"seconds": 9})
+    poll(lambda: starts(execution.idempotency_key) == 1, timeout=60, what="body started")
+    jumpable_clock.jump(seconds)
+    rescued = 0
+
+    def skew_shows_the_jump() -> bool:
+        nonlocal rescued
+        rescued += run_rescuer().rescued
+        return abs(worker_clock_skew(execution.pk) - seconds) < 30
+
+    poll(skew_shows_the_jump, timeout=30, interval=0.25, what="a lease renewal stamped with the jumped clock")
+    skew = worker_clock_skew(execution.pk)
+    assert state_of(execution.pk) == "RUNNING", "the jump did not land mid-body"
+
+    def finished() -> bool:
+        nonlocal rescued
+        rescued += run_rescuer().rescued
+        return state_of(execution.pk) == "SUCCEEDED"
+
+    poll(finished, timeout=90, interval=0.25, what="success")
+    body_starts = starts(execution.idempotency_key)
+    effects = Effect.objects.filter(key=execution.idempotency_key).count()
+    figures.record(executions=1, body_starts=body_starts, effects=effects, rescued=rescued, worker_clock_jump_s=skew)
+    assert rescued == 0, "a live attempt on a worker whose clock jumped was rescued"
+    assert event_kinds(execution.pk) == ["claimed", "succeeded"]
+    assert (body_starts, effects) == (1, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offset", ["+600s", "-600s"])
+def test_a_retry_scheduled_by_a_worker_whose_clock_is_off_is_due_by_the_databases_clock(
+    workers, poll, faketime_lib, figures, offset
+):
+    """The worker's clock is 10 min ahead (or behind) when the first attempt fails with a
+    3-second backoff. The retry is due 3 s later by the database's clock: not 10 min late
+    (the claim would turn it away as early until then), not 10 min overdue (any worker could
+    run it at once, the backoff ignored)."""
+    backoff = 3
+    worker = workers.start(concurrency=1, env=skewed(faketime_lib, offset))
+    job = JobDefinition.objects.create(
+        slug=f"retry-skewed-{offset}",
+        task="testapp.fails_then_succeeds",
+        backoff_base_seconds=backoff,
+        backoff_max_seconds=backoff,
+        jitter=False,
+    )
+    execution = submit(job, kwargs={"failures": 1})
+    key = execution.idempotency_key
+    row = poll(
+        lambda: Execution.objects.filter(pk=execution.pk, state="RETRYING").first(),
+        timeout=60,
+        interval=0.02,
+        what="the retry scheduled",
+    )
+    observed = time.monotonic()
+    assert row.scheduled_for is not None
+    due_in = (row.scheduled_for - db_now()).total_seconds()
+    retry_late_s: float | None = None
+    try:
+        assert -1 < due_in <= backoff + 0.5, f"the retry is due in {due_in:.0f} s by the database's clock"
+
+        def second_start() -> bool:
+            run_rescuer()
+            return starts(key) == 2
+
+        poll(second_start, timeout=60, interval=0.05, what="the retry's body start")
+        retry_late_s = time.monotonic() - observed - due_in
+        poll(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=60, what="success on attempt 2")
+    finally:
+        figures.record(
+            executions=1,
+            body_starts=starts(key),
+            retry_due_in_s=due_in,
+            retry_late_s=retry_late_s,
+            early_deliveries=event_kinds(execution.pk).count("early_delivery"),
+        )
+    assert worker.alive()
+    assert event_kinds(execution.pk) == ["claimed", "retry_scheduled", "claimed", "succeeded"]
+    assert retry_late_s < 3, f"the retry ran {retry_late_s:.1f} s after its due time"
