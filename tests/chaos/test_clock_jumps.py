@@ -203,7 +203,6 @@ def test_a_worker_whose_clock_jumps_mid_body_keeps_its_lease_and_runs_once(
     assert (body_starts, effects) == (1, 1)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("offset", ["+600s", "-600s"])
 def test_a_retry_scheduled_by_a_worker_whose_clock_is_off_is_due_by_the_databases_clock(
     workers, poll, faketime_lib, figures, offset
