@@ -42,10 +42,10 @@ __all__ = ["Claim", "Delivery", "NewExecution"]
 log = logging.getLogger("taskplatform.ledger")
 
 #: How much before its ``scheduled_for`` a ``RETRYING`` row may already be claimed. The due
-#: time is written with the clock of the worker that scheduled the retry, the broker's
-#: countdown runs on the publishing and consuming hosts' clocks, and the claim compares
-#: with the database's: one second absorbs ordinary skew, so a punctual message is not
-#: turned away. A fence (see ``operator_transition``) gets no tolerance: it protects G2.
+#: time is the database's (``schedule_retry``), but the broker's countdown runs on the
+#: publishing and consuming hosts' clocks: one second absorbs ordinary skew between them,
+#: so a punctual message is not turned away. A fence (see ``operator_transition``) gets no
+#: tolerance: it protects G2.
 EARLY_TOLERANCE = timedelta(seconds=1)
 
 
@@ -463,20 +463,25 @@ def schedule_retry(
     ``max_attempts``, given by an explicit ``retry(max_retries=...)``, becomes this
     execution's attempts budget (claims and the rescuer honour it over the policy's).
     When the rescuer calls this, the lease must have expired by the database's clock.
+
+    The due time is the database's clock plus the delay, computed by the ``UPDATE`` itself,
+    not the caller's: a worker whose clock ran 10 minutes ahead would otherwise write a due
+    time 10 minutes late (the claim turns the punctual message away as early, and the
+    rescuer publishes the row only then), and one 10 minutes behind a due time already
+    passed (the backoff ignored: the rescuer publishes it at once).
     """
     conf = platform_settings()
     now = timezone.now()
-    eta = now + timedelta(seconds=delay_seconds)
+    delay = timedelta(seconds=delay_seconds)
     on_broker = delay_seconds <= conf.max_broker_countdown_seconds
     task_id = new_task_id() if on_broker else ""
     publish_count = 1 if on_broker else 0
-    due_at = eta + republish_interval(1) if on_broker else eta
     find_transition(State.RUNNING, State.RETRYING, actor_kind)
     with transaction.atomic():
         changes: dict[str, Any] = {
             "state": State.RETRYING,
-            "scheduled_for": eta,
-            "due_at": due_at,
+            "scheduled_for": _db_now(delay),
+            "due_at": _db_now(delay + republish_interval(1) if on_broker else delay),
             "publish_count": publish_count,
             "lease_expires_at": None,
             "last_error": error,
@@ -490,6 +495,11 @@ def schedule_retry(
         only_if = [_lease_over()] if actor_kind == Actor.RESCUER else []
         if not _cas(execution, State.RUNNING, token, *only_if, **changes):
             return False
+        # The two instants were the database's: read them back (in this transaction).
+        changes["scheduled_for"], changes["due_at"] = Execution.objects.values_list("scheduled_for", "due_at").get(
+            pk=execution.pk
+        )
+        eta = changes["scheduled_for"]
         for name, value in changes.items():
             setattr(execution, name, value)
         _event(
