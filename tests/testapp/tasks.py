@@ -255,3 +255,22 @@ def until_lease_lost(self: IdempotentTask, timeout: float = 30) -> bool:
         time.sleep(0.1)  # one step of the body's own work
     _raw(self, "lease_lost")
     return True
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.soft_limited")
+def soft_limited(self: IdempotentTask, seconds: float = 10, on_soft: str = "return") -> str:
+    """Work for ``seconds``; at the soft time limit either clean up and return ("return": one
+    effect, the clean-up) or ignore it and keep working ("ignore": the hard limit ends it)."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    _raw(self, "started")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            time.sleep(max(0.0, deadline - time.monotonic()))  # the body's own work
+        except SoftTimeLimitExceeded:
+            _raw(self, "soft_limit")
+            if on_soft == "return":
+                Effect.objects.create(key=self.idempotency_key, fencing_token=self.fencing_token or 0)
+                return "cleaned up"
+    return "finished"

@@ -206,7 +206,7 @@ def check_exposed_services(app_configs: Any = None, **kwargs: Any) -> list[Check
             options = backend_config(alias).get("OPTIONS", {})
         except TaskPlatformError:
             continue  # reported by check_lock_backends
-        for n, url in enumerate([options.get("url", "")] + list(options.get("urls", []))):
+        for n, url in enumerate([options.get("url", ""), *options.get("urls", [])]):
             if url:
                 urls[f"lock backend {alias!r} ({n})"] = str(url)
     errors: list[CheckMessage] = []

@@ -39,11 +39,17 @@ def _q(name: str) -> str:
 def _insert_sql() -> tuple[str, tuple[Field[Any, Any], ...]]:
     fields = tuple(f for f in Execution._meta.concrete_fields if not f.primary_key)
     columns = ", ".join(_q(str(f.column)) for f in fields)
-    placeholders = ", ".join(["%s"] * len(fields))
+    # due_at: a parked execution is due at its scheduled time (an instant the caller chose);
+    # otherwise it is the rescuer's next look at the row, set by the database's clock from how
+    # far ahead the writer wants it, so a producer whose clock is off does not move it.
+    placeholders = ", ".join(
+        "COALESCE(%s::timestamptz, statement_timestamp() + %s::interval)" if f.attname == "due_at" else "%s"
+        for f in fields
+    )
     key = _q("idempotency_key")
     sql = (
         f"INSERT INTO {_q(Execution._meta.db_table)} ({columns}) VALUES ({placeholders}) "
-        f"ON CONFLICT ({key}) DO NOTHING RETURNING {_q('id')}"
+        f"ON CONFLICT ({key}) DO NOTHING RETURNING {_q('id')}, {_q('due_at')}"
     )
     return sql, fields
 
@@ -56,13 +62,20 @@ def insert(execution: Execution, now: datetime) -> bool:
     """
     execution.created_at = execution.updated_at = now
     sql, fields = _insert_sql()
-    values = [f.get_db_prep_save(getattr(execution, f.attname), connection) for f in fields]
+    values: list[Any] = []
+    for f in fields:
+        if f.attname != "due_at":
+            values.append(f.get_db_prep_save(getattr(execution, f.attname), connection))
+        elif execution.due_at is None or execution.due_at == execution.scheduled_for:
+            values += [execution.due_at, None]
+        else:
+            values += [None, execution.due_at - now]
     with connection.cursor() as cursor:
         cursor.execute(sql, values)
         row = cursor.fetchone()
     if row is None:
         return False
-    execution.pk = row[0]
+    execution.pk, execution.due_at = row[0], row[1]
     execution._state.adding = False
     execution._state.db = connection.alias
     return True

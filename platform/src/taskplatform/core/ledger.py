@@ -614,16 +614,19 @@ def republish_due(execution: Execution, *, now: datetime) -> bool:
         return False
     count = execution.publish_count + 1
     task_id = new_task_id()
-    due_at = now + republish_interval(count)
     with transaction.atomic():
+        # Due by the database's clock, and the next check set by it too: a rescuer on a host
+        # whose clock runs ahead selects rows early and changes nothing.
         rows = Execution.objects.filter(
             pk=execution.pk,
             state=execution.state,
             fencing_token=execution.fencing_token,
             publish_count=execution.publish_count,
-        ).update(publish_count=count, celery_task_id=task_id, due_at=due_at, updated_at=now)
+            due_at__lte=UtcNow(),
+        ).update(publish_count=count, celery_task_id=task_id, due_at=_db_now(republish_interval(count)), updated_at=now)
         if rows != 1:
             return False
+        due_at = Execution.objects.values_list("due_at", flat=True).get(pk=execution.pk)
         first = execution.publish_count == 0
         execution.publish_count = count
         execution.celery_task_id = task_id
@@ -635,7 +638,7 @@ def republish_due(execution: Execution, *, now: datetime) -> bool:
             to_state=execution.state,
             actor="rescuer",
             reason="due" if first else f"not claimed since publication {count - 1}",
-            data={"publication": count, "celery_task_id": task_id, "next_check": due_at.isoformat()},
+            data={"publication": count, "celery_task_id": task_id, "next_check": due_at.isoformat() if due_at else None},
             at=now,
         )
         publish_on_commit(execution, task_id=task_id, countdown=None)

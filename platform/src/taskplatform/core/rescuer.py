@@ -25,7 +25,7 @@ from django.utils import timezone
 from ..conf import platform_settings
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP
 from ..domain.states import State
-from ..models import Execution
+from ..models import Execution, UtcNow
 from . import ledger
 from .validation import is_idempotent, registered_task
 
@@ -55,14 +55,19 @@ def _max_attempts(execution: Execution) -> int:
 
 
 def run_rescuer(now: datetime | None = None) -> RescueReport:
-    """One rescuer pass; safe to run concurrently with workers and with itself."""
+    """One rescuer pass; safe to run concurrently with workers and with itself.
+
+    Which rows are due is the database's clock's decision (``UtcNow()`` in the selection and
+    again in each compare-and-set): a rescuer host whose clock is off neither acts early nor
+    late. ``now`` only stamps the events it writes.
+    """
     now = now or timezone.now()
     batch = platform_settings().rescue_batch_size
     report = RescueReport()
 
     expired = (
         Execution.objects.select_related("job")
-        .filter(state=State.RUNNING, lease_expires_at__lt=now)
+        .filter(state=State.RUNNING, lease_expires_at__lt=UtcNow())
         .order_by("lease_expires_at")[:batch]
     )
     for execution in expired:
@@ -74,7 +79,7 @@ def run_rescuer(now: datetime | None = None) -> RescueReport:
 
     due = (
         Execution.objects.select_related("job")
-        .filter(state__in=(State.PENDING, State.RETRYING), due_at__lte=now)
+        .filter(state__in=(State.PENDING, State.RETRYING), due_at__lte=UtcNow())
         .order_by("due_at")[:batch]
     )
     for execution in due:

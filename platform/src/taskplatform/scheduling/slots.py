@@ -149,7 +149,7 @@ class Crontab(Schedule):
 
     def __post_init__(self) -> None:
         if not self.expression.isascii():
-            # int() reads any Unicode digit ("٥" is 5); a schedule is written in ASCII or refused.
+            # int() reads any Unicode digit (U+0665 is 5); a schedule is written in ASCII or refused.
             raise ConfigurationError(f"invalid crontab {self.expression!r}: only ASCII characters are allowed")
         try:
             spec: Any = celery_crontab(
