@@ -91,7 +91,7 @@ class LockedScheduler(DatabaseScheduler):
         self.table: ScheduleTable | None = None
         self.stats = TickStats()
         self._leading = False
-        self._last_sync = float("-inf")
+        self._table_synced_at = float("-inf")  # not _last_sync: celery.beat.Scheduler uses that name for its own sync_every
         self._last_heartbeat = float("-inf")
         self._reported_leading = False
         self._needs_full_load = False
@@ -143,13 +143,13 @@ class LockedScheduler(DatabaseScheduler):
             return self.conf.beat_tick_seconds
         assert self.table is not None
         try:
-            if self._needs_full_load or started - self._last_sync >= self.conf.beat_sync_seconds:
+            if self._needs_full_load or started - self._table_synced_at >= self.conf.beat_sync_seconds:
                 self.clock.measure(self.conf.beat_lock_name)  # once per sync: no round trip per tick
             now = self.clock.now()
             if self._needs_full_load:
                 self._needs_full_load = False
                 self._sync_table(now, first=True)
-            elif started - self._last_sync >= self.conf.beat_sync_seconds:
+            elif started - self._table_synced_at >= self.conf.beat_sync_seconds:
                 self._sync_table(now, first=False)
             self._publish_due(now)
         except FencedOff as exc:
@@ -254,7 +254,7 @@ class LockedScheduler(DatabaseScheduler):
     def _sync_table(self, now: datetime, *, first: bool) -> None:
         assert self.table is not None
         resets, gone = self.table.load(now, first=first, keep_alive=self._keep_alive)
-        self._last_sync = time.monotonic()
+        self._table_synced_at = time.monotonic()
         try:
             # In chunks, each in a transaction of its own behind a fresh renewal and the fence:
             # a cursor written alone is as valid as one written with all the others.
