@@ -638,7 +638,11 @@ def republish_due(execution: Execution, *, now: datetime) -> bool:
             to_state=execution.state,
             actor="rescuer",
             reason="due" if first else f"not claimed since publication {count - 1}",
-            data={"publication": count, "celery_task_id": task_id, "next_check": due_at.isoformat() if due_at else None},
+            data={
+                "publication": count,
+                "celery_task_id": task_id,
+                "next_check": due_at.isoformat() if due_at else None,
+            },
             at=now,
         )
         publish_on_commit(execution, task_id=task_id, countdown=None)

@@ -91,7 +91,8 @@ class LockedScheduler(DatabaseScheduler):
         self.table: ScheduleTable | None = None
         self.stats = TickStats()
         self._leading = False
-        self._table_synced_at = float("-inf")  # not _last_sync: celery.beat.Scheduler uses that name for its own sync_every
+        # Not ``_last_sync``: celery.beat.Scheduler uses that name for its own ``sync_every``.
+        self._table_synced_at = float("-inf")
         self._last_heartbeat = float("-inf")
         self._reported_leading = False
         self._needs_full_load = False
