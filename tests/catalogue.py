@@ -63,9 +63,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         6,
         WORKER,
         "soft and hard time limits",
-        "a soft limit raises `SoftTimeLimitExceeded` in the body: a failure like any other, retried "
-        "by the policy; a hard limit kills the pool process, the lease expires and the rescuer "
-        "re-queues until the attempts are spent, then dead-letters.",
+        "a soft limit the body catches is a success; one that propagates is a failure the job's "
+        "retry policy retries or not (retry on Exception: retried; SoftTimeLimitExceeded listed as "
+        "fatal: a dead letter at once); a hard limit kills the pool process, the lease expires and "
+        "the rescuer re-queues until the attempts are spent, then dead-letters. One start per attempt.",
     ),
     Scenario(
         7,
@@ -210,9 +211,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         27,
         BEAT,
-        "beat host's clock skewed or jumping",
-        "slots are due by the database's clock (offset measured at each sync, monotonic clock "
-        "between syncs): none early, none late beyond a second, one message per slot.",
+        "a host's clock skewed or jumping (beat and worker)",
+        "slots are due by the database's clock, read at each sync and carried forward by the "
+        "monotonic clock: a beat 90 s off, or whose clock jumps 10 min between syncs, publishes "
+        "nothing early, one message per slot. Leases and retry due times are the database's too: "
+        "a worker 90 s off, or jumping 10 min mid-body, keeps its lease (no rescue, one start), a "
+        "dead one 10 min ahead is rescued within its lease, and its retries are due on time.",
     ),
     Scenario(
         28,
