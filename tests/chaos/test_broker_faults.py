@@ -1,8 +1,8 @@
-"""Broker faults from the catalogue (``../shared/research/reliability-anchors.md`` §b, scenarios
-9-11): a RabbitMQ node restarted or killed under durable queues, a Redis broker killed and
-restarted empty, and a broker hung for 30 s under load. Every server signalled here is one the
-test started (a private redis-server, a private RabbitMQ node); effects are counted in tables
-without a unique constraint.
+"""Broker and result-backend faults from the catalogue (``../shared/research/reliability-anchors.md``
+§b, scenarios 9-12): a RabbitMQ node restarted or killed under durable queues, a Redis broker
+killed and restarted empty, a broker hung for 30 s under load, and a result backend that goes
+away. Every server signalled here is one the test started (a private redis-server, a private
+RabbitMQ node); effects are counted in tables without a unique constraint.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, ExecutionEvent
 from tests.chaos.rabbit import RabbitNode
 from tests.chaos.rabbit import missing as rabbit_missing
-from tests.conftest import IN_CI
+from tests.conftest import IN_CI, RedisServer
 from tests.helpers import state_of
 from tests.testapp.models import Effect, EffectRaw
 
@@ -416,3 +416,114 @@ def test_a_broker_hung_for_30_seconds_under_load_runs_everything_once(
     assert len(executions) == SUBMISSIONS + 1
     assert counts.lost == 0 and counts.duplicates == 0
     assert counts.body_starts == counts.effects == len(executions)
+
+
+# --- scenario 12: the result backend goes away ----------------------------------------------
+
+
+@contextlib.contextmanager
+def result_backend_at(url: str) -> Iterator[None]:
+    """This process's Celery app (the publishing side) uses the result backend at ``url``."""
+    from celery import current_app
+
+    previous_env = os.environ.get("CELERY_RESULT_BACKEND")
+    previous = current_app.conf.result_backend
+    os.environ["CELERY_RESULT_BACKEND"] = url  # Celery's Settings prefer the environment
+    current_app.conf.result_backend = url
+    _forget_backend(current_app)
+    try:
+        yield
+    finally:
+        if previous_env is None:
+            os.environ.pop("CELERY_RESULT_BACKEND", None)
+        else:
+            os.environ["CELERY_RESULT_BACKEND"] = previous_env
+        current_app.conf.result_backend = previous
+        _forget_backend(current_app)
+
+
+def _forget_backend(app: Any) -> None:
+    """Make ``app.backend`` be built again from the configuration (Celery caches it per app,
+    or per thread for a backend that is not thread-safe)."""
+    app._backend_cache = None
+    app._local.__dict__.pop("backend", None)
+
+
+@pytest.fixture
+def result_backend(private_redis: RedisServer) -> Iterator[RedisServer]:
+    """A result backend on a private redis-server, for the workers (environment) and for this
+    process (the publishing side: Celery subscribes to a task's result when it publishes)."""
+    with result_backend_at(private_redis.url):
+        yield private_redis
+
+
+@pytest.mark.scenario(12)
+@pytest.mark.timeout(120)
+def test_a_publication_does_not_wait_for_an_unreachable_result_backend(
+    private_redis, use_broker, transactional_db, figures
+):
+    """Scenario 12, the publishing side alone. Celery's ``send_task`` subscribes to the task's
+    result on a Redis result backend before it publishes; with the backend unreachable that
+    retried for 20 s and then failed the publication, and every later one (the row stayed
+    PENDING until the rescuer's next try, which failed the same way). The platform publishes
+    tasks that ignore their result (every ``IdempotentTask`` by default) without it."""
+    from tests.conftest import free_port
+
+    use_broker(private_redis.url)
+    with result_backend_at(f"redis://127.0.0.1:{free_port()}/0"):  # nothing listens there
+        began = time.monotonic()
+        execution = submit("testapp.effect")
+        took = time.monotonic() - began
+    figures.record(executions=1, lost=0, submit_s=took)
+    assert redis.Redis.from_url(private_redis.url).llen("celery") == 1, "the message reached the broker"
+    assert took < 5, f"submit() took {took:.1f} s"
+    assert Execution.objects.get(pk=execution.pk).publish_count == 1
+
+
+@pytest.mark.scenario(12)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_the_result_backend_going_away_loses_and_blocks_nothing(
+    result_backend, workers, poll, open_gate, figures, fault
+):
+    """Scenario 12. The result backend (a private redis-server) is killed, or stopped, while a
+    body runs: the body's success is recorded in the ledger, and executions submitted
+    afterwards (with ``submit()`` and with a plain ``.delay()``) are published and run at
+    once; nothing reads or needs the result backend."""
+    from tests.testapp.tasks import effect
+
+    worker = workers.start(concurrency=2, env={"CELERY_RESULT_BACKEND": result_backend.url})
+    warm = submit("testapp.effect")  # this process and the worker have used the backend's config
+    poll(lambda: state_of(warm.pk) == "SUCCEEDED", timeout=60, what="a first execution")
+    running = submit("testapp.effect", kwargs={"gate": "rb"})
+    poll(lambda: starts(running.idempotency_key) == 1, timeout=60, what="a body running")
+    keys_written = redis.Redis.from_url(result_backend.url).dbsize()
+
+    assert result_backend.proc is not None
+    pid = result_backend.proc.pid
+    os.kill(pid, getattr(signal, fault))
+    faulted = time.monotonic()
+    try:
+        open_gate("rb:1")
+        later = [submit("testapp.effect") for _ in range(3)]  # submitted while the backend is away
+        called = effect.delay()  # a plain Celery call: its row is written by the worker
+        plain = poll(
+            lambda: Execution.objects.filter(celery_task_id=called.id).first(), timeout=60, what="the .delay() row"
+        )
+        executions = [warm, running, *later, plain]
+        # No rescuer here: the outbox's first publication has to get through by itself.
+        wait_all(poll, executions, workers, timeout=60, rescue=False)
+        recovery_s = time.monotonic() - faulted
+    finally:
+        if fault == "SIGSTOP":
+            os.kill(pid, signal.SIGCONT)
+    counts = tally(executions)
+    publications = Execution.objects.filter(pk__in=[e.pk for e in executions]).values_list("publish_count", flat=True)
+    figures.record(
+        **counts.figures(), recovery_s=recovery_s, result_keys_written=keys_written, publications=sum(publications)
+    )
+    assert keys_written == 0, "the platform writes no outcome to the result backend"
+    assert counts.lost == 0 and counts.duplicates == 0
+    assert counts.body_starts == counts.effects == len(executions)
+    assert all(e.publish_count == 1 for e in Execution.objects.filter(pk__in=[x.pk for x in later]))
+    assert worker.alive()
