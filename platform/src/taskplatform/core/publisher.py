@@ -3,6 +3,8 @@
 A row is always committed before its message is published (``publish_on_commit``), so a
 crash in between leaves a row the rescuer re-publishes, never a message without a row.
 A failed publication is logged and left to the rescuer: the caller's request succeeds.
+
+A publication never waits for a result backend: see ``message_options``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
+
+from .validation import registered_task
 
 if TYPE_CHECKING:
     from ..models import Execution
@@ -29,11 +33,23 @@ def new_task_id() -> str:
 
 
 def message_options(execution: Execution, *, task_id: str, countdown: float | None) -> dict[str, Any]:
-    """``send_task`` options for one publication of ``execution``."""
+    """``send_task`` options for one publication of ``execution``.
+
+    ``ignore_result`` is the task's own setting (True for every ``IdempotentTask`` unless it
+    opts out: the ledger stores results), as ``Task.apply_async`` passes it. ``send_task`` by
+    name does not: without it, it first subscribes to the task's result on the result backend
+    (Celery's Redis backend does, for an ``AsyncResult`` nobody here holds), and with that
+    backend down it retried for about 20 s and then failed the publication, and every later
+    one of the process (scenario 12 of the fault catalogue). The worker reads the same value
+    from the task, so nothing changes there.
+    """
     options: dict[str, Any] = {
         "task_id": task_id,
         "headers": {HEADER_EXECUTION: execution.pk, HEADER_KEY: execution.idempotency_key},
     }
+    task = registered_task(execution.task_name)
+    if task is not None and task.ignore_result:
+        options["ignore_result"] = True
     if execution.queue:
         options["queue"] = execution.queue
     if execution.priority is not None:
