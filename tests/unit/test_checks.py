@@ -104,3 +104,14 @@ def test_the_exposure_check_runs_with_check_deploy_only():
 
     assert check_exposed_services in registry.registry.get_checks(include_deployment_checks=True)
     assert check_exposed_services not in registry.registry.get_checks(include_deployment_checks=False)
+
+
+def test_a_rabbitmq_broker_is_used_with_publisher_confirms(monkeypatch):
+    """Without confirms a crash of the RabbitMQ node lost recent persistent messages
+    (tests/chaos/test_broker_faults.py); the settings turn them on for amqp URLs."""
+    from config.settings.base import broker_from_env
+
+    monkeypatch.setenv("CELERY_BROKER_URL", "amqp://app:pw@mq.internal:5672//")
+    assert broker_from_env()[1].get("confirm_publish") is True
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
+    assert "confirm_publish" not in broker_from_env()[1]
