@@ -87,29 +87,35 @@ SCENARIOS: tuple[Scenario, ...] = (
         9,
         WORKER,
         "Redis broker loses its queues (FLUSHALL, a restart without persistence)",
-        "every row that was queued but not started is re-published by the rescuer after its "
-        "publication grace; each runs once.",
+        "FLUSHALL, or SIGKILL and an empty restart on the same port: the worker reconnects by itself; "
+        "the rescuer re-publishes every waiting row and re-queues the running attempt after its lease; "
+        "each runs once.",
     ),
     Scenario(
         10,
         WORKER,
         "RabbitMQ restart with durable queues",
-        "durable queues and persistent messages survive; the workers reconnect; a redelivered "
-        "message of a finished or running execution is absorbed.",
+        "stop_app/start_app: the durable queue keeps every persistent message, the worker reconnects, "
+        "the running body's message is re-delivered and taken over. The node SIGKILLed: published "
+        "with confirms (the default for amqp URLs) every message survives; without them recent ones "
+        "can be lost, and the rescuer re-publishes their rows after the publication grace.",
     ),
     Scenario(
         11,
         WORKER,
-        "hung broker (redis-server SIGSTOPped)",
-        "the running body finishes on the database; a submission made meanwhile commits its row "
-        "before its publication hangs; after SIGCONT it is published and run.",
+        "hung broker (redis-server SIGSTOPped), or a worker cut off from it",
+        "every submission's row commits before its publication blocks; the running body finishes on "
+        "the database; after SIGCONT every blocked publication completes and each execution runs once. "
+        "A worker host cut off from the broker (silent drops) finishes its body on the database and "
+        "its unacknowledged message is absorbed when it comes back.",
     ),
     Scenario(
         12,
         WORKER,
         "result backend unavailable",
-        "nothing in the platform reads outcomes from a result backend: the ledger records them, "
-        "the body's success is recorded and the worker keeps serving.",
+        "the platform neither writes nor waits for a result backend: publications pass "
+        "`ignore_result` (Celery's `send_task` would otherwise subscribe to the result first, and "
+        "block about 20 s then fail while the backend is down); the ledger records every outcome.",
     ),
     Scenario(
         13,
