@@ -23,12 +23,14 @@ import logging
 import sys
 import time
 import traceback as tb_module
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from celery import Task
 from celery.canvas import Signature
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
+from django.utils import timezone
 
 from ..conf import platform_settings
 from ..core import ledger
@@ -193,8 +195,14 @@ class IdempotentTask(Task):
             return super().__call__(*args, **kwargs)  # a plain function call: no ledger
         return self._run_under_ledger(request, args, kwargs)
 
-    def _claim(self, request: Any, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Claim | None:
-        """Claim the execution this delivery is for (creating it first for a plain Celery call)."""
+    def _claim(
+        self, request: Any, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any], started_at: datetime
+    ) -> Claim | None:
+        """Claim the execution this delivery is for (creating it first for a plain Celery call).
+
+        ``started_at`` is the same on a retry after a database error, so a claim that committed
+        although its reply was lost is recognised as this delivery's own (``ledger.claim``).
+        """
         headers = request.headers or {}
         execution_id = headers.get(HEADER_EXECUTION)
         if execution_id is not None:
@@ -205,6 +213,7 @@ class IdempotentTask(Task):
                 lease_seconds_for=self.lease_for,
                 max_attempts_for=lambda job: self.retry_policy(job).max_attempts,
                 owner_alive=owner_alive,
+                started_at=started_at,
             )
             if claim is None:
                 log.error(
@@ -238,12 +247,14 @@ class IdempotentTask(Task):
             lease_seconds=self.lease_for(execution.job),
             max_attempts=self.retry_policy(execution.job).max_attempts,
             owner_alive=owner_alive,
+            started_at=started_at,
         )
 
     def _run_under_ledger(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         worker = worker_identity(request.hostname or "local")
+        started_at = timezone.now()
         try:
-            claim = _retry_db(lambda: self._claim(request, worker, args, kwargs))
+            claim = _retry_db(lambda: self._claim(request, worker, args, kwargs, started_at))
         except DatabaseError as exc:
             if (request.headers or {}).get(HEADER_EXECUTION) is not None:
                 raise  # the row exists: it stays due, and the rescuer publishes it again
@@ -464,7 +475,5 @@ class IdempotentTask(Task):
             current = sys.exc_info()[1]
             exc = current if isinstance(current, Exception) else None
         if countdown is None and eta is not None:
-            from django.utils import timezone
-
             countdown = max(0.0, (eta - timezone.now()).total_seconds())
         raise PlatformRetry(exc, countdown, max_retries)
