@@ -168,6 +168,37 @@ def test_ledger_down_as_an_atomic_body_finishes_rolls_it_back_and_runs_it_again_
 @pytest.mark.fault
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_ledger_down_briefly_as_a_body_finishes_records_its_success_when_it_is_back(pg_proxy, workers, poll, figures):
+    """A non-atomic body has committed its effect; the database goes away when its success
+    mark is sent and comes back within the attempt's lease. The worker keeps trying to record
+    the success while its lease may still be live, so the body is not run a second time."""
+    cut = pg_proxy.arm(Cut(SUCCESS_MARK, when="outage"))
+    worker = workers.start(concurrency=1, env=through(pg_proxy, TASKPLATFORM_LEASE_SECONDS="20"))
+    execution = submit("testapp.effect")
+    key = execution.idempotency_key
+    fired(poll, cut, worker, pg_proxy)
+
+    outage = hold_outage(pg_proxy, cut, seconds=5)
+    back = time.monotonic()
+    settle(poll, lambda: row(execution.pk).state == "SUCCEEDED", proxy=pg_proxy, worker=worker, what="success")
+    recovery = time.monotonic() - back
+
+    final = row(execution.pk)
+    starts, tokens = raw_starts(key), effect_tokens(key)
+    figures.record(
+        executions=1, body_starts=len(starts), effects=len(tokens), lost=0, duplicates=len(tokens) - 1,
+        recovery_s=recovery, outage_s=outage, attempts=final.attempts, lease_s=20,
+    )  # fmt: skip
+    assert (final.state, final.attempts, final.fencing_token) == ("SUCCEEDED", 1, 1)
+    assert starts == [1], "one body start"
+    assert tokens == [1], "one committed effect"
+
+
+@pytest.mark.scenario(13)
+@pytest.mark.worker
+@pytest.mark.fault
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_ledger_down_longer_than_the_lease_as_a_body_finishes_runs_a_non_atomic_body_twice(
     pg_proxy, workers, poll, figures
 ):

@@ -56,6 +56,9 @@ __all__ = ["UNBOUNDED_ATTEMPTS_CAP", "IdempotentTask", "PlatformRetry"]
 #: Pause before a message whose row could not be written goes back to the queue: while the
 #: ledger database is down, redeliveries come about this often per pool process.
 REQUEUE_PAUSE_SECONDS = 1.0
+#: Pause between two tries to record a finished non-atomic body's success while the ledger
+#: database is unreachable (see ``_record_while_leased``).
+RECORD_RETRY_SECONDS = 1.0
 
 
 class PlatformRetry(Retry):
@@ -76,6 +79,31 @@ def _retry_db(fn: Any) -> Any:
             raise
         connection.close()
         return fn()
+
+
+def _record_while_leased(fn: Any, watch: Watch) -> Any:
+    """Run ``fn``, the success write-back of a finished non-atomic body, retrying on a fresh
+    connection while the database is unreachable and the attempt's lease may still be live.
+
+    The body's effects are committed already. Giving up at the first error left the attempt
+    to its lease and the rescuer, which ran the body a second time after a database outage of
+    a few seconds. The write is fenced by the token, so retrying is safe; once the lease has
+    certainly run out (``watch.lost``) the rescuer may act, and the error goes up.
+    """
+    pause = 0.0  # the first retry at once: the connection may merely have been a stale one
+    while True:
+        try:
+            return fn()
+        except (InterfaceError, OperationalError) as exc:
+            if connection.in_atomic_block:
+                raise
+            connection.close()
+            if watch.lost:
+                raise
+            first = pause == 0.0
+            log.warning("the ledger is unreachable; retrying to record the success: %s", exc, exc_info=first)
+        time.sleep(pause)  # an outage must not spin the pool process
+        pause = RECORD_RETRY_SECONDS
 
 
 def _ledger_replaceable(app: Any, sig: Any) -> bool:
@@ -311,7 +339,7 @@ class IdempotentTask(Task):
             else:
                 result = body(*args, **kwargs)
                 returned = True
-                _retry_db(lambda: self._record_success(execution, token, result, worker, started))
+                _record_while_leased(lambda: self._record_success(execution, token, result, worker, started), watch)
             return result
         except StaleExecutionError as exc:
             ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed")
