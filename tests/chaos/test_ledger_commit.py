@@ -94,6 +94,11 @@ def row(pk: int) -> Execution:
     return Execution.objects.get(pk=pk)
 
 
+def lost(execution: Execution) -> int:
+    """1 if the execution did not end SUCCEEDED (every test here expects it to)."""
+    return int(execution.state != "SUCCEEDED")
+
+
 def settle(poll: Callable[..., Any], predicate: Callable[[], Any], *, proxy: PgProxy, worker: Worker, what: str) -> Any:
     """Wait for ``predicate``, running the rescuer meanwhile while the database is up."""
 
@@ -154,7 +159,7 @@ def test_ledger_down_as_an_atomic_body_finishes_rolls_it_back_and_runs_it_again_
     starts = atomic_starts(key)
     tokens = effect_tokens(key)
     figures.record(
-        executions=1, body_starts=len(starts), effects=len(tokens), lost=0, duplicates=len(tokens) - 1,
+        executions=1, body_starts=len(starts), effects=len(tokens), lost=lost(final), duplicates=len(tokens) - 1,
         recovery_s=recovery, outage_s=outage, attempts=final.attempts,
     )  # fmt: skip
     assert "success of a finished body could not be recorded" in worker.log()
@@ -186,7 +191,7 @@ def test_ledger_down_briefly_as_a_body_finishes_records_its_success_when_it_is_b
     final = row(execution.pk)
     starts, tokens = raw_starts(key), effect_tokens(key)
     figures.record(
-        executions=1, body_starts=len(starts), effects=len(tokens), lost=0, duplicates=len(tokens) - 1,
+        executions=1, body_starts=len(starts), effects=len(tokens), lost=lost(final), duplicates=len(tokens) - 1,
         recovery_s=recovery, outage_s=outage, attempts=final.attempts, lease_s=20,
     )  # fmt: skip
     assert (final.state, final.attempts, final.fencing_token) == ("SUCCEEDED", 1, 1)
@@ -220,7 +225,7 @@ def test_ledger_down_longer_than_the_lease_as_a_body_finishes_runs_a_non_atomic_
     final = row(execution.pk)
     starts, tokens = raw_starts(key), effect_tokens(key)
     figures.record(
-        executions=1, body_starts=len(starts), effects=len(tokens), lost=0, duplicates=len(tokens) - 1,
+        executions=1, body_starts=len(starts), effects=len(tokens), lost=lost(final), duplicates=len(tokens) - 1,
         recovery_s=recovery, outage_s=outage, attempts=final.attempts, lease_s=4,
     )  # fmt: skip
     assert (final.state, final.attempts, final.fencing_token) == ("SUCCEEDED", 2, 2)
@@ -269,7 +274,7 @@ def test_an_in_doubt_commit_of_an_atomic_success_is_decided_by_the_ledger(
     starts, tokens = atomic_starts(key), effect_tokens(key)
     absorbed = event_kinds(execution.pk).count("already_finished")
     figures.record(
-        executions=1, body_starts=len(starts), effects=len(tokens), lost=0, duplicates=len(tokens) - 1,
+        executions=1, body_starts=len(starts), effects=len(tokens), lost=lost(final), duplicates=len(tokens) - 1,
         recovery_s=recovery, attempts=final.attempts, redeliveries_absorbed=absorbed,
     )  # fmt: skip
     assert (final.state, final.attempts, final.fencing_token) == ("SUCCEEDED", attempts, attempts)
@@ -319,7 +324,7 @@ def test_an_in_doubt_claim_is_recognised_as_the_deliverys_own(
     final = row(execution.pk)
     starts = raw_starts(key)
     figures.record(
-        executions=1, body_starts=len(starts), lost=int(final.state != "SUCCEEDED"), recovery_s=recovery,
+        executions=1, body_starts=len(starts), lost=lost(final), recovery_s=recovery,
         attempts=final.attempts, duplicate_deliveries=event_kinds(execution.pk).count("duplicate_delivery"),
     )  # fmt: skip
     assert (final.state, final.attempts, final.fencing_token) == ("SUCCEEDED", attempt, attempt), final.last_error
@@ -356,7 +361,7 @@ def test_an_in_doubt_success_of_a_non_atomic_body_is_final(pg_proxy, workers, po
     starts, tokens = raw_starts(key), effect_tokens(key)
     kinds = event_kinds(execution.pk)
     figures.record(
-        executions=1, body_starts=len(starts), effects=len(tokens), lost=0, duplicates=len(tokens) - 1,
+        executions=1, body_starts=len(starts), effects=len(tokens), lost=lost(final), duplicates=len(tokens) - 1,
         recovery_s=recovery, attempts=final.attempts, redeliveries_absorbed=kinds.count("already_finished"),
         own_success_refused_as_stale=kinds.count("stale_write_rejected"),
     )  # fmt: skip
