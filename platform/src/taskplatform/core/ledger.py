@@ -179,13 +179,14 @@ def claim_message(
     lease_seconds_for: Callable[[JobDefinition | None], int],
     max_attempts_for: Callable[[JobDefinition | None], int],
     owner_alive: Callable[[str], bool | None] = lambda worker: None,
+    started_at: datetime | None = None,
 ) -> Claim | None:
     """Claim the execution a message points at; None if the row does not exist.
 
     The common case, a first attempt of a ``PENDING`` row, is one statement on PostgreSQL;
-    every other case takes the portable ``claim``.
+    every other case takes the portable ``claim``. ``started_at``: see ``claim``.
     """
-    now = timezone.now()
+    now = started_at or timezone.now()
     if fastpath.enabled():
         claimed = fastpath.claim_first_attempt(delivery, default_lease_seconds=default_lease_seconds, now=now)
         if claimed is not None:
@@ -200,6 +201,7 @@ def claim_message(
         lease_seconds=lease_seconds_for(execution.job),
         max_attempts=max_attempts_for(execution.job),
         owner_alive=owner_alive,
+        started_at=now,
     )
 
 
@@ -211,6 +213,7 @@ def claim(
     lease_seconds: int,
     max_attempts: int,
     owner_alive: Callable[[str], bool | None] = lambda worker: None,
+    started_at: datetime | None = None,
 ) -> Claim:
     """Try to become the one running attempt of ``execution``.
 
@@ -225,7 +228,13 @@ def claim(
     database's clock inside the compare-and-set; the worker's clock only picks which
     statement to try. ``max_attempts`` (the retry policy's) yields to a budget stored on the
     row by an explicit ``retry(max_retries=...)``.
+
+    ``started_at`` is this delivery's own mark, written on the row by its claim: a delivery
+    retrying a claim whose reply was lost (the connection dropped after the server committed
+    it) passes the same instant again, and finds its own claim rather than a live attempt to
+    absorb itself into (which would leave the attempt to expire unrun, counted as spent).
     """
+    stamp = started_at or timezone.now()
     for _ in range(5):
         now = timezone.now()
         state = execution.state
@@ -244,6 +253,12 @@ def claim(
         if state == State.RUNNING:
             lease_live = execution.lease_expires_at is not None and execution.lease_expires_at > now
             if lease_live:
+                if started_at is not None and _own_claim(execution, worker, celery_task_id, started_at):
+                    log.warning(
+                        "the claim's reply was lost but the claim committed: it is this delivery's own",
+                        extra={"execution_id": execution.pk, "fencing_token": execution.fencing_token},
+                    )
+                    return Claim("claimed", execution, lease_seconds=lease_seconds)
                 owner_dead = owner_alive(execution.worker) is False
                 if not owner_dead:
                     return _absorb_duplicate(execution, worker=worker, celery_task_id=celery_task_id)
@@ -281,7 +296,7 @@ def claim(
                     lease_expires_at=_db_now(timedelta(seconds=lease_seconds)),
                     worker=worker[:255],
                     celery_task_id=celery_task_id[:255],
-                    started_at=now,
+                    started_at=stamp,
                     due_at=None,
                     updated_at=now,
                 )
@@ -293,7 +308,7 @@ def claim(
                     execution.lease_expires_at = now + timedelta(seconds=lease_seconds)
                     execution.worker = worker
                     execution.celery_task_id = celery_task_id
-                    execution.started_at = now
+                    execution.started_at = stamp
                     execution.due_at = None
                     data: dict[str, Any] = {"celery_task_id": celery_task_id, "lease_seconds": lease_seconds}
                     if takeover:
@@ -317,6 +332,17 @@ def claim(
             return _absorb_early(fresh, worker=worker, celery_task_id=celery_task_id)
         execution = fresh  # somebody else moved it: decide again on fresh data
     raise LedgerError(f"execution {execution.pk}: claim did not settle after 5 tries")
+
+
+def _own_claim(execution: Execution, worker: str, celery_task_id: str, started_at: datetime) -> bool:
+    """The running attempt on ``execution`` was claimed by this very delivery: same owner, same
+    message, same start mark (another delivery of the same message in this process, on a
+    thread pool, has another mark)."""
+    return (
+        execution.worker == worker[:255]
+        and execution.celery_task_id == celery_task_id[:255]
+        and execution.started_at == started_at
+    )
 
 
 def _absorb_duplicate(execution: Execution, *, worker: str, celery_task_id: str) -> Claim:

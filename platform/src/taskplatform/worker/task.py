@@ -23,12 +23,14 @@ import logging
 import sys
 import time
 import traceback as tb_module
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from celery import Task
 from celery.canvas import Signature
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
+from django.utils import timezone
 
 from ..conf import platform_settings
 from ..core import ledger
@@ -54,6 +56,9 @@ __all__ = ["UNBOUNDED_ATTEMPTS_CAP", "IdempotentTask", "PlatformRetry"]
 #: Pause before a message whose row could not be written goes back to the queue: while the
 #: ledger database is down, redeliveries come about this often per pool process.
 REQUEUE_PAUSE_SECONDS = 1.0
+#: Pause between two tries to record a finished non-atomic body's success while the ledger
+#: database is unreachable (see ``_record_while_leased``).
+RECORD_RETRY_SECONDS = 1.0
 
 
 class PlatformRetry(Retry):
@@ -74,6 +79,31 @@ def _retry_db(fn: Any) -> Any:
             raise
         connection.close()
         return fn()
+
+
+def _record_while_leased(fn: Any, watch: Watch) -> Any:
+    """Run ``fn``, the success write-back of a finished non-atomic body, retrying on a fresh
+    connection while the database is unreachable and the attempt's lease may still be live.
+
+    The body's effects are committed already. Giving up at the first error left the attempt
+    to its lease and the rescuer, which ran the body a second time after a database outage of
+    a few seconds. The write is fenced by the token, so retrying is safe; once the lease has
+    certainly run out (``watch.lost``) the rescuer may act, and the error goes up.
+    """
+    pause = 0.0  # the first retry at once: the connection may merely have been a stale one
+    while True:
+        try:
+            return fn()
+        except (InterfaceError, OperationalError) as exc:
+            if connection.in_atomic_block:
+                raise
+            connection.close()
+            if watch.lost:
+                raise
+            first = pause == 0.0
+            log.warning("the ledger is unreachable; retrying to record the success: %s", exc, exc_info=first)
+        time.sleep(pause)  # an outage must not spin the pool process
+        pause = RECORD_RETRY_SECONDS
 
 
 def _ledger_replaceable(app: Any, sig: Any) -> bool:
@@ -193,8 +223,14 @@ class IdempotentTask(Task):
             return super().__call__(*args, **kwargs)  # a plain function call: no ledger
         return self._run_under_ledger(request, args, kwargs)
 
-    def _claim(self, request: Any, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Claim | None:
-        """Claim the execution this delivery is for (creating it first for a plain Celery call)."""
+    def _claim(
+        self, request: Any, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any], started_at: datetime
+    ) -> Claim | None:
+        """Claim the execution this delivery is for (creating it first for a plain Celery call).
+
+        ``started_at`` is the same on a retry after a database error, so a claim that committed
+        although its reply was lost is recognised as this delivery's own (``ledger.claim``).
+        """
         headers = request.headers or {}
         execution_id = headers.get(HEADER_EXECUTION)
         if execution_id is not None:
@@ -205,6 +241,7 @@ class IdempotentTask(Task):
                 lease_seconds_for=self.lease_for,
                 max_attempts_for=lambda job: self.retry_policy(job).max_attempts,
                 owner_alive=owner_alive,
+                started_at=started_at,
             )
             if claim is None:
                 log.error(
@@ -238,12 +275,14 @@ class IdempotentTask(Task):
             lease_seconds=self.lease_for(execution.job),
             max_attempts=self.retry_policy(execution.job).max_attempts,
             owner_alive=owner_alive,
+            started_at=started_at,
         )
 
     def _run_under_ledger(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         worker = worker_identity(request.hostname or "local")
+        started_at = timezone.now()
         try:
-            claim = _retry_db(lambda: self._claim(request, worker, args, kwargs))
+            claim = _retry_db(lambda: self._claim(request, worker, args, kwargs, started_at))
         except DatabaseError as exc:
             if (request.headers or {}).get(HEADER_EXECUTION) is not None:
                 raise  # the row exists: it stays due, and the rescuer publishes it again
@@ -300,7 +339,7 @@ class IdempotentTask(Task):
             else:
                 result = body(*args, **kwargs)
                 returned = True
-                _retry_db(lambda: self._record_success(execution, token, result, worker, started))
+                _record_while_leased(lambda: self._record_success(execution, token, result, worker, started), watch)
             return result
         except StaleExecutionError as exc:
             ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed")
@@ -464,7 +503,5 @@ class IdempotentTask(Task):
             current = sys.exc_info()[1]
             exc = current if isinstance(current, Exception) else None
         if countdown is None and eta is not None:
-            from django.utils import timezone
-
             countdown = max(0.0, (eta - timezone.now()).total_seconds())
         raise PlatformRetry(exc, countdown, max_retries)
