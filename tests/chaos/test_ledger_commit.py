@@ -393,3 +393,34 @@ def test_a_claim_is_the_deliverys_own_only_with_the_start_mark_it_wrote(db):
     assert (again.outcome, again.execution.fencing_token, again.lease_seconds) == ("claimed", 1, 60)
     final = Execution.objects.get(pk=execution.pk)
     assert (final.state, final.attempts, final.fencing_token) == ("RUNNING", 1, 1)
+
+
+@pytest.mark.scenario(13)
+def test_a_message_that_arrives_while_the_worker_cannot_reach_the_ledger_runs_once_it_can(
+    pg_proxy, workers, poll, figures
+):
+    """The worker alone has lost the database (a partition; the rest of the system, the
+    rescuer's host included, still reaches it). A submitted execution's message arrives and
+    its claim fails: the message goes back to the queue (before: Celery acknowledged it and the
+    row waited for the rescuer's next look, 5 minutes by default). No rescuer runs here."""
+    worker = workers.start(concurrency=1, env=through(pg_proxy))
+    warm = submit("testapp.effect")
+    poll(lambda: row(warm.pk).state == "SUCCEEDED", timeout=60, what="the worker's first execution")
+    pg_proxy.down()
+    execution = submit("testapp.effect")  # the test process reaches the database directly
+    poll(lambda: "goes back to the queue" in worker.log(), timeout=60, what="the worker to give the message back")
+    pg_proxy.up()
+    back = time.monotonic()
+    poll(lambda: row(execution.pk).state == "SUCCEEDED", timeout=60, what="the execution once the ledger is back")
+    final = row(execution.pk)
+    figures.record(
+        executions=1,
+        body_starts=len(raw_starts(execution.idempotency_key)),
+        effects=len(effect_tokens(execution.idempotency_key)),
+        lost=lost(final),
+        duplicates=max(0, len(effect_tokens(execution.idempotency_key)) - 1),
+        recovery_s=time.monotonic() - back,
+        rescuer_runs=0,
+    )
+    assert (final.attempts, final.publish_count) == (1, 1)
+    assert raw_starts(execution.idempotency_key) == [1] and effect_tokens(execution.idempotency_key) == [1]

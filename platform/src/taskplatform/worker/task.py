@@ -284,10 +284,11 @@ class IdempotentTask(Task):
         try:
             claim = _retry_db(lambda: self._claim(request, worker, args, kwargs, started_at))
         except DatabaseError as exc:
-            if (request.headers or {}).get(HEADER_EXECUTION) is not None:
-                raise  # the row exists: it stays due, and the rescuer publishes it again
-            # A plain Celery call whose row could not be written: this message is the only
-            # record of the work. Put it back rather than let Celery acknowledge a failure.
+            # The claim could not be made (the ledger is unreachable from this worker). A plain
+            # Celery call's message is the only record of the work; a submitted execution's row
+            # would wait for the rescuer's next look (minutes, and a rescuer that can reach the
+            # database may not exist during a partition of this host). Either way the message
+            # goes back to the queue rather than be acknowledged as a failure.
             log.error(
                 "the ledger is unreachable; the message goes back to the queue",
                 exc_info=True,
