@@ -369,6 +369,7 @@ def test_an_in_doubt_success_of_a_non_atomic_body_is_final(pg_proxy, workers, po
     assert starts == [1]
     assert tokens == [1]
     assert kinds.count("succeeded") == 1
+    assert kinds.count("stale_write_rejected") == 0, "its own success was audited as a stale write"
 
 
 def test_a_claim_is_the_deliverys_own_only_with_the_start_mark_it_wrote(db):

@@ -460,9 +460,23 @@ def succeed(execution: Execution, token: int, result: Any, *, worker: str, data:
     execution.lease_expires_at = None
 
 
-def record_stale_write(execution_id: int, token: int, *, worker: str, what: str) -> None:
-    """Audit a refused write-back from an attempt that no longer owns the execution."""
+def record_stale_write(execution_id: int, token: int, *, worker: str, what: str) -> bool:
+    """Audit a refused write-back from an attempt that no longer owns the execution.
+
+    Not when the attempt's own success is what refused it: a success whose commit reached the
+    server while its reply was lost (an in-doubt commit), retried, finds the row already
+    ``SUCCEEDED`` under the same token. That is no stale write; False is returned.
+    """
+    if what == "succeed" and Execution.objects.filter(
+        pk=execution_id, state=State.SUCCEEDED, fencing_token=token
+    ).exists():
+        log.info(
+            "the success was recorded already (its first commit's reply was lost)",
+            extra={"execution_id": execution_id, "fencing_token": token},
+        )
+        return False
     _note(execution_id, EventKind.STALE_WRITE_REJECTED, worker=worker, data={"attempt_token": token, "write": what})
+    return True
 
 
 def schedule_retry(

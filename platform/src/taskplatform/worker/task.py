@@ -343,16 +343,17 @@ class IdempotentTask(Task):
                 _record_while_leased(lambda: self._record_success(execution, token, result, worker, started), watch)
             return result
         except StaleExecutionError as exc:
-            ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed")
-            log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
-            return None
+            if ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed"):
+                log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
+                return None
+            return result  # this attempt's own success, recorded by a commit whose reply was lost
         except Ignore:
             if not returned:  # not atomic: the body's writes are committed already
                 try:
                     self._record_success(execution, token, None, worker, started, note="body raised Ignore")
                 except StaleExecutionError as exc:  # a sibling handler would not see it
-                    ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed")
-                    log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
+                    if ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed"):
+                        log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
             raise
         except PlatformRetry as exc:
             self._record_failure(execution, token, exc.exc or exc, worker, started, explicit=exc)
