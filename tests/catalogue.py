@@ -121,16 +121,20 @@ SCENARIOS: tuple[Scenario, ...] = (
         13,
         WORKER,
         "ledger database unreachable during execution",
-        "the attempt cannot record its success; it stays running until its lease expires, and "
-        "the rescuer re-queues it once the database is back; a plain `.delay()` that cannot write "
-        "its row is put back on the queue rather than acknowledged.",
+        "a finished non-atomic body's success is retried while its lease may still be live, so an "
+        "outage shorter than the lease re-runs nothing; an atomic attempt's transaction is lost with "
+        "its connection, and the rescuer re-queues it once the database is back (one committed "
+        "effect); a non-atomic body whose outage outlasts its lease runs twice (the documented limit). "
+        "A message whose claim fails (the worker cut off from the ledger) goes back to the queue.",
     ),
     Scenario(
         14,
         WORKER,
         "in-doubt commit: the connection drops after COMMIT is sent",
-        "the ledger's state, not the client's error, decides: a success that did commit is final "
-        "(a redelivery is absorbed); one that did not is re-run by the rescuer.",
+        "the ledger's state, not the client's error, decides: a success that did commit is final (a "
+        "redelivery is absorbed, no stale-write audit); one that did not is re-run by the rescuer; a "
+        "claim that committed although its reply was lost is recognised by the delivery's own start "
+        "mark and runs at once.",
     ),
     Scenario(
         15,
