@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import shutil
+import subprocess
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,12 +30,25 @@ from taskplatform.models import EventKind, Execution, ExecutionEvent, JobDefinit
 from tests.beat.test_ha import (
     SECOND,
     assert_every_slot_once,
+    assert_published_once,
     every_second_job,
     leader_pid,
+    plain_every_second,
+    slot_keys,
     slots_of,
     wait_until,
 )
-from tests.conftest import BeatFactory, RedisServer, Worker, WorkerFactory
+from tests.chaos.conftest import _require
+from tests.conftest import (
+    BeatFactory,
+    RedisServer,
+    Worker,
+    WorkerFactory,
+    broker_url,
+    free_port,
+    port_open,
+    redis_flushdb,
+)
 from tests.helpers import wait_for
 from tests.testapp.models import Effect, EffectRaw
 
@@ -187,3 +206,283 @@ def test_a_leader_crash_around_a_slots_publication_neither_loses_nor_doubles_it(
     if point == "before_commit":
         created = Execution.objects.values_list("created_at", flat=True).get(idempotency_key=key)
         assert created > crashed_at, "the rolled-back slot should have been published by the successor"
+
+
+# --- leadership as each beat logged it ----------------------------------------------------------
+
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ \S+ (?:\[[^\]]*\] )?(.*)$")
+LEADS = re.compile(r"^beat \S+ leads \(lease")
+#: Every way a leader's belief ends: a failed renewal, the step-down margin, the fence, a
+#: failed take-over, a release on shutdown.
+STOPS = re.compile(
+    r"^(beat \S+ lost the lease|beat \S+ steps down|beat \S+ stops publishing|beat \S+ cannot lead"
+    r"|beat \S+ could not take over|beat \S+ is a follower now|beat \S+ released the lease)"
+)
+
+
+def log_lines(beat: Worker) -> Iterator[tuple[datetime, str]]:
+    """``(when, message)`` of each line of a beat's log (its local time, made aware)."""
+    for line in beat.log().splitlines():
+        parsed = LOG_LINE.match(line)
+        if parsed:
+            yield datetime.strptime(parsed.group(1), "%Y-%m-%d %H:%M:%S,%f").astimezone(), parsed.group(2)
+
+
+def stopped_leading_after(beat: Worker, moment: datetime) -> bool:
+    return any(at >= moment and STOPS.match(message) for at, message in log_lines(beat))
+
+
+def leadership_intervals(beat: Worker, until: datetime) -> list[tuple[datetime, datetime]]:
+    """When ``beat`` believed it led, from its own log: from each "leads" to the next sign that
+    the belief ended (``until`` if none: it still led, or died)."""
+    intervals: list[tuple[datetime, datetime]] = []
+    start: datetime | None = None
+    for parsed in log_lines(beat):
+        at, message = parsed
+        if LEADS.match(message) and start is None:
+            start = at
+        elif STOPS.match(message) and start is not None:
+            intervals.append((start, at))
+            start = None
+    if start is not None:
+        intervals.append((start, until))
+    return intervals
+
+
+def two_leaders_seconds(beats: BeatFactory, until: datetime) -> float:
+    """How long, in total, two beats both believed they led (their logs share this host's clock)."""
+    spans = [(beat.name, span) for beat in beats.beats for span in leadership_intervals(beat, until)]
+    overlap = 0.0
+    for i, (name_a, (a0, a1)) in enumerate(spans):
+        for name_b, (b0, b1) in spans[i + 1 :]:
+            if name_a != name_b:
+                overlap += max(0.0, (min(a1, b1) - max(a0, b0)).total_seconds())
+    return overlap
+
+
+def leader_beat(beats: BeatFactory) -> Worker:
+    return beats.by_pid(wait_for(leader_pid, timeout=30, what="a leader"))
+
+
+# --- scenario 24: the lock key lost while the leader lives --------------------------------------
+
+LOCK_KEY = "tp:lock:{taskplatform.beat}"
+
+
+@pytest.mark.scenario(24)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["del", "flushall", "restart_empty"])
+def test_the_lock_key_lost_under_a_live_leader_gives_one_publication_per_slot(
+    beats: BeatFactory, private_redis: RedisServer, figures: Any, fault: str
+) -> None:
+    """Three beats on a private Redis lock server. While the leader lives, its key goes: ``DEL``
+    of the key, ``FLUSHALL`` (the fencing counter goes too, so the next grant's token is
+    smaller than the fence's), or the server restarted empty. Whoever acquires next leads;
+    the old leader's next renewal fails and it steps down; a slot published by both would
+    show as two broker messages (a job and a plain Celery entry, on queues nobody consumes).
+    ``two_leaders_s``: how long two beats both believed they led, from their logs."""
+    redis_flushdb(broker_url())
+    job = every_second_job(f"key-lost-{fault.replace('_', '-')}")
+    plain_every_second(f"key-lost-plain-{fault}", queue="probe")
+    env = {"TASKPLATFORM_LOCK_URL": private_redis.url}
+    for _ in range(3):
+        beats.start(env=env)
+    first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
+    wait_until(first + 3 * SECOND, "a few slots")
+    old = leader_beat(beats)
+    admin = redis.Redis.from_url(private_redis.url)
+    assert admin.exists(LOCK_KEY)
+
+    if fault == "del":
+        admin.delete(LOCK_KEY)
+    elif fault == "flushall":
+        admin.flushall()
+    else:
+        private_redis.stop()
+        private_redis.start()
+    lost_at = timezone.now()
+
+    wait_for(lambda: stopped_leading_after(old, lost_at), timeout=30, what="the old leader to step down")
+    resumed = wait_for(lambda: first_publication_after(job, lost_at + SECOND), timeout=30, what="a leader to publish")
+    new = leader_beat(beats)
+    wait_until(timezone.now() + 3 * SECOND, "slots after the fault")
+    until = timezone.now()
+    last = until.replace(microsecond=0) - SECOND
+    assert_every_slot_once(slots_of(job), first, last)
+    counts = assert_published_once(beats)
+    plain = slot_keys(f"key-lost-plain-{fault}", first + SECOND, last)
+    assert {k: counts[k] for k in plain} == dict.fromkeys(plain, 1), "a plain slot's messages are not 1"
+    figures.record(
+        executions=len(slots_of(job)),
+        lost=0,
+        duplicates=sum(n - 1 for n in counts.values() if n > 1),
+        two_leaders_s=two_leaders_seconds(beats, until),
+        recovery_s=(resumed - lost_at).total_seconds(),
+        new_leader_was_follower=new.pid != old.pid,
+    )
+
+
+# --- scenario 28: a clock jump on the Redis lock server -----------------------------------------
+
+#: A preload library that shifts a process's wall clock (``CLOCK_REALTIME``: ``clock_gettime``,
+#: ``gettimeofday``, ``time``) by the milliseconds written in the file ``WALLCLOCK_OFFSET_FILE``,
+#: read at every call; the monotonic clock is left alone. Raw system calls only, no
+#: allocation: libfaketime cannot do this to redis-server (see the test's docstring).
+WALLCLOCK_SHIM = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+static long long offset_ms(void) {
+    const char *path = getenv("WALLCLOCK_OFFSET_FILE");
+    if (!path) return 0;
+    int fd = (int)syscall(SYS_openat, AT_FDCWD, path, O_RDONLY);
+    if (fd < 0) return 0;
+    char buf[32];
+    long n = syscall(SYS_read, fd, buf, sizeof buf - 1);
+    syscall(SYS_close, fd);
+    if (n <= 0) return 0;
+    long long v = 0;
+    int i = (buf[0] == '-' || buf[0] == '+') ? 1 : 0;
+    for (; i < n && buf[i] >= '0' && buf[i] <= '9'; i++) v = v * 10 + (buf[i] - '0');
+    return buf[0] == '-' ? -v : v;
+}
+
+int clock_gettime(clockid_t clk, struct timespec *ts) {
+    long r = syscall(SYS_clock_gettime, clk, ts);
+    if (r == 0 && (clk == CLOCK_REALTIME || clk == CLOCK_REALTIME_COARSE)) {
+        long long ns = (long long)ts->tv_nsec + offset_ms() * 1000000LL;
+        ts->tv_sec += ns / 1000000000LL;
+        ns %= 1000000000LL;
+        if (ns < 0) { ns += 1000000000LL; ts->tv_sec -= 1; }
+        ts->tv_nsec = ns;
+    }
+    return (int)r;
+}
+
+int gettimeofday(struct timeval *tv, void *tz) {
+    (void)tz;
+    struct timespec ts;
+    int r = clock_gettime(CLOCK_REALTIME, &ts);
+    if (r == 0 && tv) { tv->tv_sec = ts.tv_sec; tv->tv_usec = ts.tv_nsec / 1000; }
+    return r;
+}
+
+time_t time(time_t *t) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (t) *t = ts.tv_sec;
+    return ts.tv_sec;
+}
+"""
+
+
+@dataclass
+class ShiftedRedisServer(RedisServer):
+    """A private redis-server whose wall clock the test moves (``jump``); the machine's stays."""
+
+    shim: Path = Path()
+    offset_file: Path = Path()
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.offset_file.write_text("0")
+        env = {**os.environ, "LD_PRELOAD": str(self.shim), "WALLCLOCK_OFFSET_FILE": str(self.offset_file)}
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir)],
+            env=env, stdout=(self.workdir / "redis.log").open("ab"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        wait_for(lambda: port_open("127.0.0.1", self.port, 0.2), timeout=10, what=f"redis-server :{self.port}")
+
+    def jump(self, seconds: float) -> None:
+        """Step the server's wall clock by ``seconds`` from now on (as an NTP step would)."""
+        self.offset_file.write_text(str(int(seconds * 1000)))
+
+    def server_time(self) -> float:
+        seconds, micros = redis.Redis.from_url(self.url).time()
+        return seconds + micros / 1e6
+
+
+@pytest.fixture
+def shifted_redis(tmp_path: Path) -> Iterator[ShiftedRedisServer]:
+    compiler, server = shutil.which("gcc") or shutil.which("cc"), shutil.which("redis-server")
+    _require("" if compiler and server else "the clock-jump test needs gcc (or cc) and redis-server on PATH")
+    assert compiler is not None
+    shim = tmp_path / "wallclock.so"
+    (tmp_path / "wallclock.c").write_text(WALLCLOCK_SHIM)
+    subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(shim), str(tmp_path / "wallclock.c")], check=True)
+    redis_server = ShiftedRedisServer(
+        port=free_port(), workdir=tmp_path / "shifted-redis", shim=shim, offset_file=tmp_path / "offset-ms"
+    )
+    redis_server.start()
+    yield redis_server
+    redis_server.stop()
+
+
+@pytest.mark.scenario(28)
+@pytest.mark.timeout(180)
+def test_a_clock_jump_on_the_redis_lock_server_expires_the_lease_early_and_no_slot_doubles(
+    beats: BeatFactory, shifted_redis: ShiftedRedisServer, figures: Any
+) -> None:
+    """The Redis lock server's wall clock steps 60 s forward (the lease is 6 s): the leader's key
+    expires at once, Redis judging TTLs by its wall clock. A second leader appears; the old
+    leader's next renewal fails and it steps down; the scheduler fence and the slot keys keep
+    each slot to one broker message (a job and a plain Celery entry on unconsumed queues).
+
+    The jump is real, not simulated with a ``DEL``: redis-server runs with a small preload
+    library (``WALLCLOCK_SHIM``, built here with gcc) that adds an offset, read from a file,
+    to its wall clock. libfaketime, which the other clock tests use, cannot run redis-server:
+    redis-server is linked with jemalloc, whose initialisation calls ``clock_gettime`` before
+    libfaketime is initialised, and the server hangs at start after libfaketime's "Unexpected
+    recursive calls to clock_gettime() without proper initialization" (libfaketime issue #130,
+    open; both the vendored build and ``FAKETIME_DONT_FAKE_MONOTONIC`` hang the same way).
+    """
+    admin = redis.Redis.from_url(shifted_redis.url)
+    # First, that the jump does what it says: a key with a minute left is gone after a 2-minute step.
+    admin.set("probe", "1", px=60_000)
+    before = shifted_redis.server_time()
+    shifted_redis.jump(120)
+    jumped_by = shifted_redis.server_time() - before
+    assert 119 < jumped_by < 125, f"the server's clock moved {jumped_by:.1f} s"
+    assert admin.pttl("probe") == -2, "Redis did not expire the key by its wall clock"
+    shifted_redis.jump(0)
+
+    redis_flushdb(broker_url())
+    job = every_second_job("redis-clock-jump")
+    plain_every_second("redis-clock-jump-plain", queue="probe")
+    env = {"TASKPLATFORM_LOCK_URL": shifted_redis.url}
+    for _ in range(3):
+        beats.start(env=env)
+    first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
+    wait_until(first + 3 * SECOND, "a few slots")
+    old = leader_beat(beats)
+    ttl_before = admin.pttl(LOCK_KEY)
+    assert ttl_before > 0
+
+    shifted_redis.jump(60)
+    jumped_at = timezone.now()
+    wait_for(lambda: stopped_leading_after(old, jumped_at), timeout=30, what="the old leader to step down")
+    resumed = wait_for(lambda: first_publication_after(job, jumped_at + SECOND), timeout=30, what="a leader")
+    new = leader_beat(beats)
+    wait_until(timezone.now() + 3 * SECOND, "slots after the jump")
+    until = timezone.now()
+    last = until.replace(microsecond=0) - SECOND
+    assert_every_slot_once(slots_of(job), first, last)
+    counts = assert_published_once(beats)
+    plain = slot_keys("redis-clock-jump-plain", first + SECOND, last)
+    assert {k: counts[k] for k in plain} == dict.fromkeys(plain, 1), "a plain slot's messages are not 1"
+    assert "lost the lease" in old.log(), "the old leader's renewal did not fail"
+    figures.record(
+        executions=len(slots_of(job)),
+        lost=0,
+        duplicates=sum(n - 1 for n in counts.values() if n > 1),
+        lease_left_at_jump_s=ttl_before / 1000,
+        two_leaders_s=two_leaders_seconds(beats, until),
+        recovery_s=(resumed - jumped_at).total_seconds(),
+        new_leader_was_follower=new.pid != old.pid,
+    )
