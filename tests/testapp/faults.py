@@ -9,11 +9,13 @@ N calls through, so the process has done some normal work first. Examples::
     TP_FAULT_AT=taskplatform.core.publisher:publish:before      # a row committed, not yet published
     TP_FAULT_AT=taskplatform.core.publisher:publish:after       # a message published, nothing after
     TP_FAULT_AT=taskplatform.scheduling.scheduler:submit:after  # a slot's row inserted, not committed
+    TP_FAULT_AT=celery.app.base:Celery.send_task:before         # any message, before it is sent
 
 Patch the name where the caller looks it up (``scheduler.submit`` is the beat's own
 reference to ``submit``). Before exiting, one line goes to stderr, ``TP_FAULT fired at
-<spec> call <n> key=<idempotency key>`` (the execution's key: an ``idempotency_key`` argument,
-or that of an argument or result that is an execution), so the test knows which slot the fault hit.
+<spec> call <n> key=<idempotency key>`` (the slot's or execution's key: an ``idempotency_key``
+argument, a message's ``tp_key``/``tp_slot`` header, or the key of an argument or result that
+is an execution), so the test knows which slot the fault hit.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def install(spec: str, skip: int = 0) -> None:
     lock = threading.Lock()
 
     def fire(args: tuple[Any, ...], kwargs: dict[str, Any], number: int, result: Any = None) -> None:
-        keys = [kwargs.get("idempotency_key")]
+        headers = kwargs.get("headers") or {}
+        keys = [kwargs.get("idempotency_key"), headers.get("tp_key"), headers.get("tp_slot")]
         keys += [getattr(a, "idempotency_key", None) for a in (result, *args, *kwargs.values())]
         key = next((k for k in keys if isinstance(k, str)), "")
         # To the process's own stderr (file descriptor 2): Celery replaces ``sys.stderr``.
