@@ -763,27 +763,48 @@ def test_a_database_lock_holder_whose_sessions_are_terminated_keeps_its_lease_an
     )
 
 
+#: Where the leader is paused: wherever the signal finds it (mostly asleep between ticks), or
+#: at the worst point, by its own hand: its lease just checked, the fence not yet.
+PAUSE_POINTS = {
+    "anywhere": {},
+    "before_fence_check": {
+        "TP_FAULT_AT": "taskplatform.scheduling.scheduler:check_fence:before",
+        "TP_FAULT_ACTION": "stop",
+        "TP_FAULT_SKIP": "6",
+    },
+}
+
+
 @pytest.mark.scenario(31)
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("pause", list(PAUSE_POINTS))
 def test_a_database_lock_holder_paused_for_thirty_seconds_is_replaced_and_steps_down_on_waking(
-    beats: BeatFactory, figures: Any
+    beats: BeatFactory, figures: Any, pause: str
 ) -> None:
-    """SIGSTOP of the leader holding the database lock for 30 s, then SIGCONT. The lease row
-    expires by the database's clock and the follower takes over (failover_s); the woken
-    leader's renewal (a compare-and-set on owner and fencing token) fails, or the fence
-    refuses its publication, and it steps down. Every slot, of a plain entry too, has one
-    broker message."""
+    """The leader holding the database lock stops for 30 s (SIGSTOP), then continues. The
+    lease row expires by the database's clock and the follower takes over (failover_s).
+    Paused ``anywhere``, the woken leader's renewal (a compare-and-set on owner and fencing
+    token) fails, or the fence refuses its publication, and it steps down. Paused
+    ``before_fence_check`` (the leader stops itself between its lease check and the
+    publication transaction's fence check), it wakes up trusting the lease it checked 30 s
+    ago and goes on to publish the slot it had planned, which the follower published
+    meanwhile: only the fence stops it. Every slot, of a plain entry too (no ledger row to
+    collapse on), has one broker message."""
     redis_flushdb(broker_url())
     job = every_second_job("db-lock-paused")
     plain_every_second("db-lock-paused-plain", queue="probe")
-    old = beats.start(env=DB_LOCK)
+    old = beats.start(env={**DB_LOCK, **PAUSE_POINTS[pause]})
     wait_for(lambda: leader_pid() == old.pid, timeout=60, what="the first beat to lead")
     first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
     follower = beats.start(env=DB_LOCK)
-    wait_until(first + 4 * SECOND, "a few slots")
 
-    os.kill(old.pid, signal.SIGSTOP)
+    if pause == "anywhere":
+        wait_until(first + 4 * SECOND, "a few slots")
+        os.kill(old.pid, signal.SIGSTOP)
+    else:
+        wait_for(lambda: "TP_FAULT fired" in beats.err(old), timeout=60, what="the leader to stop itself")
+    assert wait_for(lambda: psutil.Process(old.pid).status() == psutil.STATUS_STOPPED, timeout=10, what="stopped")
     stopped_at = timezone.now()
     try:
         wait_for(lambda: leader_pid() == follower.pid, timeout=30, what="the follower to take over")
@@ -799,13 +820,17 @@ def test_a_database_lock_holder_paused_for_thirty_seconds_is_replaced_and_steps_
     until = timezone.now()
     log = old.log()
     counts = assert_one_message_per_slot(beats, job, "db-lock-paused-plain", first)
+    fenced_off = "stops publishing: taskplatform.beat was taken over by a newer leader" in log
     figures.record(
         executions=len(slots_of(job)),
         lost=0,
         duplicates=sum(n - 1 for n in counts.values() if n > 1),
         failover_s=(resumed - stopped_at).total_seconds(),
         woken_leader_stepped_down_s=(noticed_at - woke_at).total_seconds(),
-        woken_leader_fenced_off="stops publishing" in log,
+        woken_leader_fenced_off=fenced_off,
         # The paused leader "believed" it led through its pause, until its renewal failed.
         stale_leader_belief_s=two_leaders_seconds(beats, until),
     )
+    if pause == "before_fence_check":
+        assert fenced_off, "the woken leader was not stopped by the fence"
+        assert "TP_FAULT continued" in beats.err(old)

@@ -3,13 +3,16 @@
 A process started with ``TP_FAULT_AT="<module>:<attribute path>:<before|after>"`` has that
 callable replaced, when Django loads this app, by a wrapper that ends the process with
 ``os._exit(1)`` (no clean-up, no ``finally``, no ``atexit``: as ``kill -9`` would, but at a
-chosen instruction) before or after the original runs. ``TP_FAULT_SKIP=N`` lets the first
-N calls through, so the process has done some normal work first. Examples::
+chosen instruction) before or after the original runs; with ``TP_FAULT_ACTION=stop`` the
+process stops itself there instead (``SIGSTOP``), until the test continues it.
+``TP_FAULT_SKIP=N`` lets the first N calls through, so the process has done some normal
+work first; the fault fires once. Examples::
 
     TP_FAULT_AT=taskplatform.core.publisher:publish:before      # a row committed, not yet published
     TP_FAULT_AT=taskplatform.core.publisher:publish:after       # a message published, nothing after
     TP_FAULT_AT=taskplatform.scheduling.scheduler:submit:after  # a slot's row inserted, not committed
     TP_FAULT_AT=celery.app.base:Celery.send_task:before         # any message, before it is sent
+    TP_FAULT_AT=taskplatform.scheduling.scheduler:check_fence:before  # lease checked, fence not yet
 
 Patch the name where the caller looks it up (``scheduler.submit`` is the beat's own
 reference to ``submit``). Before exiting, one line goes to stderr, ``TP_FAULT fired at
@@ -22,16 +25,24 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import threading
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
 WHEN = ("before", "after")
+#: ``exit``: ``os._exit(1)``. ``stop``: the process stops itself (``SIGSTOP``) once, as a VM
+#: pause or a long GC would stop it at that very point; the test that started it sends
+#: ``SIGCONT`` and it carries on from there.
+ACTIONS = ("exit", "stop")
 
 
-def install(spec: str, skip: int = 0) -> None:
-    """Replace the callable ``spec`` names by one that exits the process at its ``skip + 1``-th call."""
+def install(spec: str, skip: int = 0, action: str = "exit") -> None:
+    """Replace the callable ``spec`` names by one that exits (or stops) the process at its
+    ``skip + 1``-th call."""
+    if action not in ACTIONS:
+        raise ValueError(f"TP_FAULT_ACTION={action!r}: one of {ACTIONS}")
     module_name, path, when = spec.split(":")
     if when not in WHEN:
         raise ValueError(f"TP_FAULT_AT={spec!r}: the last part must be one of {WHEN}")
@@ -41,6 +52,7 @@ def install(spec: str, skip: int = 0) -> None:
         owner = getattr(owner, parent)
     original: Callable[..., Any] = getattr(owner, name)
     calls = 0
+    fired = False
     lock = threading.Lock()
 
     def fire(args: tuple[Any, ...], kwargs: dict[str, Any], number: int, result: Any = None) -> None:
@@ -50,18 +62,23 @@ def install(spec: str, skip: int = 0) -> None:
         key = next((k for k in keys if isinstance(k, str)), "")
         # To the process's own stderr (file descriptor 2): Celery replaces ``sys.stderr``.
         os.write(2, f"TP_FAULT fired at {spec} call {number} key={key}\n".encode())
-        os._exit(1)
+        if action == "exit":
+            os._exit(1)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os.write(2, f"TP_FAULT continued after {spec} call {number}\n".encode())
 
     @wraps(original)
     def faulty(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
+        nonlocal calls, fired
         with lock:
             calls += 1
+            armed = calls > skip and not fired
+            fired = fired or armed
             number = calls
-        if number > skip and when == "before":
+        if armed and when == "before":
             fire(args, kwargs, number)
         result = original(*args, **kwargs)
-        if number > skip and when == "after":
+        if armed and when == "after":
             fire(args, kwargs, number, result)
         return result
 
@@ -72,4 +89,4 @@ def install_from_environment() -> None:
     """Install the fault ``TP_FAULT_AT`` names, if any (called from the test app's ``ready``)."""
     spec = os.environ.get("TP_FAULT_AT", "")
     if spec:
-        install(spec, skip=int(os.environ.get("TP_FAULT_SKIP", "0")))
+        install(spec, skip=int(os.environ.get("TP_FAULT_SKIP", "0")), action=os.environ.get("TP_FAULT_ACTION", "exit"))
