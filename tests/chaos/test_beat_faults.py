@@ -33,7 +33,7 @@ from django.db import connection
 from django.utils import timezone
 from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
-from taskplatform.models import EventKind, Execution, ExecutionEvent, JobDefinition
+from taskplatform.models import EventKind, Execution, ExecutionEvent, JobDefinition, ScheduleCursor
 from taskplatform.scheduling.slots import format_slot
 from tests.beat.test_ha import (
     SECOND,
@@ -352,6 +352,46 @@ def test_kill_9_and_restart_of_the_only_beat_against_the_django_celery_beat_base
         assert early, f"django-celery-beat did not re-publish after the restart (gaps {gaps})"
 
 
+@pytest.mark.scenario(22)
+@pytest.mark.timeout(120)
+def test_a_warm_shutdown_between_a_batchs_commit_and_its_messages_still_sends_them(
+    beats: BeatFactory, figures: Any
+) -> None:
+    """SIGTERM (a deploy's restart) reaching the leader after a publication transaction
+    committed and before its messages went out. celery beat's handler raises ``SystemExit``
+    wherever the main thread is; had it interrupted the on-commit sends, the batch's plain
+    Celery slot would be lost (its cursor moved, no ledger row) and its job slot left to the
+    rescuer of a later leader (``republish_after_seconds``, 300 s by default). The leader
+    holds the signal until the batch's messages are out, then stops: every committed slot
+    has its message. The leader is held at that point by its own hand (it stops itself
+    before a send), signalled, and continued."""
+    redis_flushdb(broker_url())
+    job = every_second_job("warm-stop")
+    entry = plain_every_second("warm-stop-plain", queue="probe")
+    fault = {"TP_FAULT_AT": "celery.app.base:Celery.send_task:before", "TP_FAULT_ACTION": "stop", "TP_FAULT_SKIP": "6"}
+    beat = beats.start(env=fault)
+    wait_for(lambda: "TP_FAULT fired" in beats.err(beat), timeout=60, what="the leader to stop itself")
+    wait_for(lambda: psutil.Process(beat.pid).status() == psutil.STATUS_STOPPED, timeout=10, what="stopped")
+    os.kill(beat.pid, signal.SIGTERM)
+    os.kill(beat.pid, signal.SIGCONT)
+    wait_for(lambda: not beat.alive(), timeout=30, what="the leader to stop")
+
+    counts = broker_messages()
+    rows = set(Execution.objects.filter(job=job).values_list("idempotency_key", flat=True))
+    cursor = ScheduleCursor.objects.get(name=entry.name).last_slot
+    plain_first = min(parse_slot(k) for k in counts if k.startswith(entry.name))
+    plain = slot_keys(entry.name, plain_first, cursor)
+    unsent = sorted((rows | plain) - set(counts))
+    figures.record(
+        executions=len(rows),
+        lost=len(unsent),
+        duplicates=sum(n - 1 for n in counts.values() if n > 1),
+    )
+    assert not unsent, f"committed slot(s) without a message after the warm shutdown: {unsent}"
+    assert {k: counts[k] for k in rows | plain} == dict.fromkeys(rows | plain, 1)
+    assert "TP_FAULT continued" in beats.err(beat)
+
+
 def parse_slot(key: str) -> datetime:
     return datetime.fromisoformat(key.rsplit("@", 1)[1].replace("Z", "+00:00"))
 
@@ -417,9 +457,18 @@ def leader_beat(beats: BeatFactory) -> Worker:
 LOCK_KEY = "tp:lock:{taskplatform.beat}"
 
 
+#: The old leader stops itself (SIGSTOP) between its lease check and the publication's fence
+#: check; the key is deleted while it is stopped and it continues once a follower has taken over.
+STOP_BEFORE_FENCE = {
+    "TP_FAULT_AT": "taskplatform.scheduling.scheduler:check_fence:before",
+    "TP_FAULT_ACTION": "stop",
+    "TP_FAULT_SKIP": "6",
+}
+
+
 @pytest.mark.scenario(24)
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fault", ["del", "flushall", "restart_empty"])
+@pytest.mark.parametrize("fault", ["del", "flushall", "restart_empty", "del_mid_publication"])
 def test_the_lock_key_lost_under_a_live_leader_gives_one_publication_per_slot(
     beats: BeatFactory, private_redis: RedisServer, figures: Any, fault: str
 ) -> None:
@@ -428,20 +477,30 @@ def test_the_lock_key_lost_under_a_live_leader_gives_one_publication_per_slot(
     smaller than the fence's), or the server restarted empty. Whoever acquires next leads;
     the old leader's next renewal fails and it steps down; a slot published by both would
     show as two broker messages (a job and a plain Celery entry, on queues nobody consumes).
-    ``two_leaders_s``: how long two beats both believed they led, from their logs."""
+    ``two_leaders_s``: how long two beats both believed they led, from their logs.
+
+    ``del_mid_publication`` makes the overlap bite: the old leader is held (it stops itself)
+    between its lease check and its publication transaction while the key is deleted and a
+    follower takes over; continued, it still trusts its lease (a few seconds are left) and
+    tries to publish a slot the follower published: the scheduler fence refuses it."""
     redis_flushdb(broker_url())
     job = every_second_job(f"key-lost-{fault.replace('_', '-')}")
     plain_every_second(f"key-lost-plain-{fault}", queue="probe")
     env = {"TASKPLATFORM_LOCK_URL": private_redis.url}
-    for _ in range(3):
-        beats.start(env=env)
+    old = beats.start(env={**env, **(STOP_BEFORE_FENCE if fault == "del_mid_publication" else {})})
+    wait_for(lambda: leader_pid() == old.pid, timeout=60, what="the first beat to lead")
+    followers = [beats.start(env=env) for _ in range(2)]
     first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
-    wait_until(first + 3 * SECOND, "a few slots")
-    old = leader_beat(beats)
     admin = redis.Redis.from_url(private_redis.url)
+    if fault == "del_mid_publication":
+        wait_for(lambda: "TP_FAULT fired" in beats.err(old), timeout=60, what="the leader to stop itself")
+        wait_for(lambda: psutil.Process(old.pid).status() == psutil.STATUS_STOPPED, timeout=10, what="stopped")
+    else:
+        wait_until(first + 3 * SECOND, "a few slots")
+    assert leader_pid() == old.pid
     assert admin.exists(LOCK_KEY)
 
-    if fault == "del":
+    if fault.startswith("del"):
         admin.delete(LOCK_KEY)
     elif fault == "flushall":
         admin.flushall()
@@ -449,6 +508,12 @@ def test_the_lock_key_lost_under_a_live_leader_gives_one_publication_per_slot(
         private_redis.stop()
         private_redis.start()
     lost_at = timezone.now()
+    if fault == "del_mid_publication":
+        try:
+            wait_for(lambda: leader_pid() in {f.pid for f in followers}, timeout=30, what="a follower to take over")
+            wait_for(lambda: first_publication_after(job, lost_at + SECOND), timeout=30, what="its first slot")
+        finally:
+            os.kill(old.pid, signal.SIGCONT)
 
     wait_for(lambda: stopped_leading_after(old, lost_at), timeout=30, what="the old leader to step down")
     resumed = wait_for(lambda: first_publication_after(job, lost_at + SECOND), timeout=30, what="a leader to publish")
@@ -456,6 +521,7 @@ def test_the_lock_key_lost_under_a_live_leader_gives_one_publication_per_slot(
     wait_until(timezone.now() + 3 * SECOND, "slots after the fault")
     until = timezone.now()
     last = until.replace(microsecond=0) - SECOND
+    fenced_off = "stops publishing: taskplatform.beat was taken over by a newer leader" in old.log()
     assert_every_slot_once(slots_of(job), first, last)
     counts = assert_published_once(beats)
     plain = slot_keys(f"key-lost-plain-{fault}", first + SECOND, last)
@@ -467,7 +533,10 @@ def test_the_lock_key_lost_under_a_live_leader_gives_one_publication_per_slot(
         two_leaders_s=two_leaders_seconds(beats, until),
         recovery_s=(resumed - lost_at).total_seconds(),
         new_leader_was_follower=new.pid != old.pid,
+        old_leader_fenced_off=fenced_off,
     )
+    if fault == "del_mid_publication":
+        assert fenced_off, "the old leader was not stopped by the fence"
 
 
 # --- scenario 28: a clock jump on the Redis lock server -----------------------------------------
