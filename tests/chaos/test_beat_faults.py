@@ -167,6 +167,7 @@ CRASH_POINTS = {
 
 
 @pytest.mark.scenario(22)
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("point", list(CRASH_POINTS))
 def test_a_leader_crash_around_a_slots_publication_neither_loses_nor_doubles_it(
@@ -785,6 +786,7 @@ def new_sessions(beat: Worker, known: set[int]) -> set[int]:
 
 
 @pytest.mark.scenario(31)
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_database_lock_holder_whose_sessions_are_terminated_keeps_its_lease_and_loses_no_slot(
     beats: BeatFactory, figures: Any
