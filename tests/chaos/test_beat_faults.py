@@ -834,10 +834,11 @@ def test_a_database_lock_holder_whose_sessions_are_terminated_keeps_its_lease_an
     )
 
 
-#: Where the leader is paused: wherever the signal finds it (mostly asleep between ticks), or
-#: at the worst point, by its own hand: its lease just checked, the fence not yet.
+#: Where the leader is paused: wherever SIGSTOP finds it, sent at a slot's instant (when the
+#: leader wakes up to publish it), or at the worst point, by its own hand: its lease just
+#: checked, the fence not yet.
 PAUSE_POINTS = {
-    "anywhere": {},
+    "at_a_slot_instant": {},
     "before_fence_check": {
         "TP_FAULT_AT": "taskplatform.scheduling.scheduler:check_fence:before",
         "TP_FAULT_ACTION": "stop",
@@ -855,8 +856,9 @@ def test_a_database_lock_holder_paused_for_thirty_seconds_is_replaced_and_steps_
 ) -> None:
     """The leader holding the database lock stops for 30 s (SIGSTOP), then continues. The
     lease row expires by the database's clock and the follower takes over (failover_s).
-    Paused ``anywhere``, the woken leader's renewal (a compare-and-set on owner and fencing
-    token) fails, or the fence refuses its publication, and it steps down. Paused
+    Paused ``at_a_slot_instant`` (SIGSTOP sent as a slot falls due), the woken leader's
+    renewal (a compare-and-set on owner and fencing token) fails, or the fence refuses its
+    publication, depending on where in its tick the signal found it, and it steps down. Paused
     ``before_fence_check`` (the leader stops itself between its lease check and the
     publication transaction's fence check), it wakes up trusting the lease it checked 30 s
     ago and goes on to publish the slot it had planned, which the follower published
@@ -870,7 +872,7 @@ def test_a_database_lock_holder_paused_for_thirty_seconds_is_replaced_and_steps_
     first = wait_for(lambda: (slots_of(job) or [None])[0], timeout=60, what="the first slot")
     follower = beats.start(env=DB_LOCK)
 
-    if pause == "anywhere":
+    if pause == "at_a_slot_instant":
         wait_until(first + 4 * SECOND, "a few slots")
         os.kill(old.pid, signal.SIGSTOP)
     else:
