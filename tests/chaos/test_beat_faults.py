@@ -8,7 +8,6 @@ call (``tests/testapp/faults.py``, armed by ``TP_FAULT_AT`` in that beat's envir
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -91,9 +90,9 @@ class BrokerTap:
         self.counts: Counter[str] = Counter()
         #: ``(time.monotonic(), headers)`` of every message pushed, in order.
         self.pushes: list[tuple[float, dict[str, Any]]] = []
-        self._monitor: Any = None
         self._thread = threading.Thread(target=self._run, name="broker-tap", daemon=True)
         self._ready = threading.Event()
+        self._closing = threading.Event()
 
     def __enter__(self) -> BrokerTap:
         self._thread.start()
@@ -101,23 +100,27 @@ class BrokerTap:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(Exception):
-            self._monitor.connection.disconnect()
+        self._closing.set()
         self._thread.join(timeout=10)
+        assert not self._thread.is_alive(), "the broker tap did not stop"
 
     def _run(self) -> None:
-        with contextlib.suppress(redis.exceptions.ConnectionError), self.client.monitor() as monitor:
-            self._monitor = monitor
+        try:
+            with self.client.monitor() as monitor:
+                self._ready.set()
+                while not self._closing.is_set():
+                    if not monitor.connection.can_read(timeout=0.2):
+                        continue
+                    try:
+                        command = monitor.next_command()["command"]
+                    except (TypeError, ValueError, AttributeError):  # a line redis-py cannot parse: not a push
+                        continue
+                    if command[:5].upper() in ("LPUSH", "RPUSH"):
+                        headers = self._headers(command)
+                        self.pushes.append((time.monotonic(), headers))
+                        self.counts[self._slot(command, headers)] += 1
+        except redis.exceptions.ConnectionError:  # the broker went away: nothing more to count
             self._ready.set()
-            while True:
-                try:
-                    command = monitor.next_command()["command"]
-                except (TypeError, ValueError, AttributeError):  # a line redis-py cannot parse: not a push
-                    continue
-                if command[:5].upper() in ("LPUSH", "RPUSH"):
-                    headers = self._headers(command)
-                    self.pushes.append((time.monotonic(), headers))
-                    self.counts[self._slot(command, headers)] += 1
 
     @staticmethod
     def _headers(command: str) -> dict[str, Any]:
