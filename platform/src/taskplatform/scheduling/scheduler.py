@@ -30,8 +30,12 @@ The leader also runs the platform's maintenance in a thread of its own: the resc
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -65,6 +69,37 @@ HEARTBEAT_SECONDS = 5.0
 #: Cursors written per transaction when the schedule is (re)loaded; the lease is renewed
 #: (if due) before each, so a schedule of any size is taken over without losing it.
 CURSOR_CHUNK = 1000
+
+
+#: The signals on which ``celery beat`` stops by raising an exception wherever its main thread is.
+SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def shutdown_held() -> Iterator[None]:
+    """Hold SIGTERM and SIGINT until the block ends, then act on them.
+
+    ``celery beat`` stops on these by raising ``SystemExit`` (``KeyboardInterrupt``) wherever
+    its main thread is. Between a batch's commit and its last on-commit send, that would
+    leave slots committed without their messages: a plain Celery entry's slot lost (its
+    cursor moved; it has no ledger row to rescue) and a job's slot left to a later leader's
+    rescuer, ``republish_after_seconds`` late. Every deploy sends that signal, so a batch's
+    transaction and its sends go together and the signal is acted on right after them.
+    Handlers can only be set in the main thread; elsewhere (a beat run in a thread) the
+    block runs unguarded.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum)) for sig in SHUTDOWN_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for signum in held:
+            signal.raise_signal(signum)
 
 
 @dataclass
@@ -341,7 +376,8 @@ class LockedScheduler(DatabaseScheduler):
         published = 0
         jobs = JobDefinition.objects.in_bulk([e.job_id for e, slots, _c in batch if slots and e.job_id])
         cursors = [ScheduleCursor(name=e.name, last_slot=c) for e, _s, c in batch]
-        with transaction.atomic():
+        # The messages go out when the transaction commits: a shutdown signal waits for them.
+        with shutdown_held(), transaction.atomic():
             check_fence(self.conf.beat_lock_name, lease)
             for entry, slots, _cursor in batch:
                 for slot in slots:
