@@ -467,9 +467,10 @@ def record_stale_write(execution_id: int, token: int, *, worker: str, what: str)
     server while its reply was lost (an in-doubt commit), retried, finds the row already
     ``SUCCEEDED`` under the same token. That is no stale write; False is returned.
     """
-    if what == "succeed" and Execution.objects.filter(
-        pk=execution_id, state=State.SUCCEEDED, fencing_token=token
-    ).exists():
+    if (
+        what == "succeed"
+        and Execution.objects.filter(pk=execution_id, state=State.SUCCEEDED, fencing_token=token).exists()
+    ):
         log.info(
             "the success was recorded already (its first commit's reply was lost)",
             extra={"execution_id": execution_id, "fencing_token": token},
