@@ -85,6 +85,18 @@ TEMPLATES = [
 ]
 
 
+#: libpq connection parameters that bound how long a dead connection can go unnoticed (seconds,
+#: tcp_user_timeout in milliseconds): about 10 s whether the connection is idle or busy.
+POSTGRES_LIVENESS: dict[str, int] = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 10_000,
+}
+
+
 def database_from_env(default_sqlite: Path) -> dict[str, Any]:
     """``DATABASE_URL`` if set, else the embedded SQLite database in WAL mode."""
     url = os.environ.get("DATABASE_URL")
@@ -95,6 +107,14 @@ def database_from_env(default_sqlite: Path) -> dict[str, Any]:
             config["OPTIONS"] = sqlite_options()
         elif engine.endswith("mysql"):
             config.setdefault("OPTIONS", {}).setdefault("charset", "utf8mb4")
+        elif engine.endswith("postgresql"):
+            # A silently cut connection (a partition, a dead peer) must fail, not hang: TCP
+            # keepalives notice an idle one, tcp_user_timeout one with unacknowledged data, and
+            # connect_timeout a connection attempt. A hung statement would hold a worker's lease
+            # renewals or a beat's leadership check for as long as the cut lasts.
+            options = config.setdefault("OPTIONS", {})
+            for name, value in POSTGRES_LIVENESS.items():
+                options.setdefault(name, value)
         return config
     default_sqlite.parent.mkdir(parents=True, exist_ok=True)
     private_sqlite_file(default_sqlite)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from celery import current_app
 from django.test import override_settings
@@ -115,3 +117,14 @@ def test_a_rabbitmq_broker_is_used_with_publisher_confirms(monkeypatch):
     assert broker_from_env()[1].get("confirm_publish") is True
     monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
     assert "confirm_publish" not in broker_from_env()[1]
+
+
+def test_a_postgres_database_fails_fast_on_a_dead_connection(monkeypatch):
+    """A silently cut connection must error within seconds, not hang a lease renewal."""
+    from config.settings.base import database_from_env
+
+    monkeypatch.setenv("DATABASE_URL", "postgres://app@db.internal:5432/app")
+    options = database_from_env(Path("/nonexistent"))["OPTIONS"]
+    assert options["tcp_user_timeout"] <= 15_000 and options["keepalives"] == 1
+    assert options["keepalives_idle"] + options["keepalives_interval"] * options["keepalives_count"] <= 15
+    assert options["connect_timeout"] <= 10
