@@ -184,9 +184,15 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         22,
         BEAT,
-        "beat crash between a slot's claim and its publication",
-        "the slot's execution row commits before publication (the outbox); the rescuer publishes "
-        "it; the next leader does not claim the slot again.",
+        "beat crash between a slot's claim and its publication, or after it",
+        "the slot's execution row and its cursor commit together before the message is sent (an "
+        "outbox). Killed before the commit: the successor publishes the slot from the cursor; between "
+        "the commit and the send: the leader's rescuer publishes the row after "
+        "`republish_after_seconds`; after the send: nothing publishes it again. One message and one "
+        "body per slot each time; a SIGTERM in that gap is held until the batch's messages are out. "
+        "Limit: a plain Celery entry (no ledger row) loses the one slot a hard crash hits in the gap "
+        "(at most once). Baseline: django-celery-beat re-publishes the period after kill -9 and a "
+        "restart; LockedScheduler does not.",
     ),
     Scenario(
         23,
@@ -199,8 +205,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         24,
         BEAT,
         "lock key lost while the leader lives",
-        "a follower acquires the lock; the old leader's next renewal fails and it steps down; the "
-        "scheduler fence refuses any publication of the old leader meanwhile.",
+        "either a follower acquires the lock or the old leader's renewal finds the key gone first; the "
+        "old leader steps down at its next renewal. Two beats believed they led for up to about 2 s; "
+        "whatever the old leader tries to publish meanwhile is refused by the scheduler fence (owner "
+        "and token, so it holds after FLUSHALL reset the token counter). One message per slot.",
     ),
     Scenario(
         25,
@@ -232,8 +240,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         28,
         BEAT,
         "clock jump on the Redis lock server",
-        "the lock expires early and a second leader may appear; the scheduler fence and the "
-        "unique slot key keep every slot to one publication.",
+        "Redis expires keys by its wall clock: a 60 s forward step (a real one, by a preload shim on "
+        "redis-server; libfaketime hangs it) expires the 6 s lease at once. A second leader publishes "
+        "within about 2 s, the old leader's renewal fails, the fence refuses its writes; one message "
+        "per slot.",
     ),
     Scenario(
         29,
@@ -252,8 +262,12 @@ SCENARIOS: tuple[Scenario, ...] = (
         31,
         BEAT,
         "database lock: the holder's connection lost silently, or the holder paused",
-        "the lock is a lease row with a database-clock expiry, not a session lock: a follower takes "
-        "over when it expires; the resumed or reconnected holder fails the fence and steps down.",
+        "the lock is a lease row whose expiry is the database's clock, not a session lock. Holder cut "
+        "off from PostgreSQL: a follower takes over after the lease and the old leader steps down when "
+        "its statement fails (connections give up within about 10 s) or the link heals. Its sessions "
+        "terminated: the lease outlives them, the leader reconnects and keeps leading. Paused 30 s: "
+        "the follower publishes after about one lease, the woken leader steps down; paused between "
+        "its lease check and its fence check, the fence refuses its publication.",
     ),
     Scenario(
         32,
