@@ -58,3 +58,31 @@ def test_an_in_doubt_claim_whose_retry_meets_the_outage_still_runs_its_body(pg_p
         f"{final.state}: {final.last_error} (events {kinds}, body starts {starts})"
     )
     assert starts == [1]
+
+
+@pytest.mark.scenario(37)
+@pytest.mark.worker
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_a_plain_call_whose_row_cannot_be_written_is_not_requeued_forever(workers, poll, figures):
+    """G5 ("retries that converge") and scenario 37 (foreign content is refused and logged).
+    Every ``DatabaseError`` of the claim sends the message back to the queue, a deterministic
+    one too. A plain Celery call whose arguments PostgreSQL cannot store (a NUL in a JSON
+    string: ``DataError``, jsonb has no \\u0000) fails the row's insert on every delivery and
+    is requeued once a second per pool process, forever: never acknowledged, never recorded,
+    never dead-lettered. (Plain calls were requeued on any DatabaseError before 5453a2c too;
+    the change extends the rule, and no deterministic error is told apart.)"""
+    from celery import current_app
+
+    worker = workers.start(concurrency=1)
+    current_app.send_task("testapp.effect", kwargs={"gate": "nul\x00"}, task_id="poison-1")
+    after = submit("testapp.effect")  # behind it on the queue
+    poll(lambda: row(after.pk).state == "SUCCEEDED", timeout=60, what="the worker to serve the next execution")
+    # Observe for a while (an absence cannot be polled for): a message refused for good is
+    # requeued at most once.
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and worker.log().count("goes back to the queue") < 4:
+        time.sleep(0.5)
+    requeues = worker.log().count("goes back to the queue")
+    figures.record(poison_messages=1, requeues=requeues)
+    assert requeues <= 1, f"the message went back to the queue {requeues} times and is still looping"
