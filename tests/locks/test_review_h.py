@@ -75,3 +75,39 @@ def test_a_redlock_nodes_quarantine_is_bounded_after_its_clock_is_set_back(redlo
         assert lease is not None and time.monotonic() - started < backend.restart_quarantine_seconds + 10
     finally:
         backend.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_beat_lease_longer_than_redlocks_max_ttl_is_refused_by_the_system_checks(redlock_servers, settings):
+    """G4 (a leader within lease + tick). Redlock now raises ``ValueError`` for any lease longer
+    than ``max_ttl_seconds`` (60 s by default). ``Leadership.step`` takes that for an unreachable
+    lock server and stays a follower: with ``TASKPLATFORM_BEAT_LEASE_SECONDS=90`` (accepted
+    before this change) no beat ever leads and every slot is lost, while ``manage.py check``
+    says nothing about it."""
+    from django.core.checks import ERROR
+
+    from taskplatform.checks import check_beat, check_lock_backends
+    from taskplatform.conf import platform_settings
+    from taskplatform.scheduling.leadership import Leadership
+
+    nodes = redlock_servers(3)
+    settings.TASKPLATFORM_LOCK_BACKENDS = {
+        "default": {
+            "BACKEND": "taskplatform.backends.redlock.RedlockLockBackend",
+            "OPTIONS": {"urls": [n.url for n in nodes], "prefix": "tp:review-h:"},
+        }
+    }
+    settings.TASKPLATFORM_BEAT_LEASE_SECONDS = 90
+    settings.TASKPLATFORM_BEAT_TICK_SECONDS = 5
+    settings.TASKPLATFORM_BEAT_MISFIRE_GRACE_SECONDS = 120
+    backend = redlock_backend(nodes, prefix="tp:review-h:")  # nodes aged: no quarantine in the way
+    try:
+        leadership = Leadership(backend, "beat", "beat-1", platform_settings())
+        leading = [leadership.step()[0] for _ in range(3)]
+        errors = [m for m in check_lock_backends() + check_beat() if m.level >= ERROR]
+        assert any(leading) or errors, (
+            "the beat never leads (every acquire raises ValueError: lease longer than max_ttl_seconds) "
+            "and no system check reports it"
+        )
+    finally:
+        backend.close()
