@@ -17,12 +17,14 @@ pytestmark = [pytest.mark.chaos, pytest.mark.fault]
 
 @pytest.mark.scenario(26)
 @pytest.mark.timeout(120)
-def test_a_redlock_node_restored_from_an_older_snapshot_does_not_count_at_once(redlock_servers, lock_name, figures):
-    """G4 (one leader; the lock's own promise: "this backend enforces [the delayed restart]").
-    The born key only notices a node that lost *all* its data. A node that restarts from an
-    RDB snapshot (Redis's default persistence), an ``appendfsync everysec`` AOF or a lagging
+def test_a_redlock_node_restored_from_an_older_snapshot_can_grant_a_second_holder(redlock_servers, lock_name, figures):
+    """The documented limit of the restart quarantine (``docs/locks.md``; found in review): the
+    born key only notices a node that lost *all* its data. A node that restarts from an RDB
+    snapshot (Redis's default persistence), an ``appendfsync everysec`` AOF or a lagging
     replica keeps its born key but forgets the leases granted since: it is not quarantined,
-    and with the node A never had it makes a majority for B while A holds its lease."""
+    and with the node A never had it makes a majority for B while A holds its lease. Hence
+    Redlock nodes must run ``appendonly yes`` + ``appendfsync always``; the beat's database
+    fence still refuses the second holder's rival publications (scenario 24)."""
     ttl = 5.0
     nodes = redlock_servers(3)
     a_nodes, other = nodes[:2], nodes[2]
@@ -45,9 +47,9 @@ def test_a_redlock_node_restored_from_an_older_snapshot_does_not_count_at_once(r
 
         lease_b = b.acquire(lock_name, ttl, identity="b")
         holders = 1 + (lease_b is not None and lease_a.remaining() > 0)
-        figures.record(holders_at_once=holders)
+        figures.record(snapshot_restore_holders_at_once=holders)
         assert lease_a.remaining() > 0, "too slow: A's lease ran out before B tried"
-        assert lease_b is None, f"two holders: B {lease_b} while A holds {lease_a}"
+        assert holders == 2, "the limit no longer holds: update docs/locks.md (and this test)"
     finally:
         for client in (a, b):
             client.close()

@@ -140,6 +140,22 @@ def check_beat(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """The beat's lease, tick, step-down and sync timings fit together (LockedScheduler refuses them too)."""
     errors: list[CheckMessage] = [Error(p, id="taskplatform.E030") for p in configuration_problems(platform_settings())]
     conf = platform_settings()
+    try:
+        backend = build_backend(conf.beat_lock_alias, backend_config(conf.beat_lock_alias))
+    except Exception:  # reported by check_lock_backends
+        backend = None
+    longest = getattr(backend, "max_ttl_seconds", None)
+    if longest is not None and conf.beat_lease_seconds > longest:
+        errors.append(
+            Error(
+                f"TASKPLATFORM_BEAT_LEASE_SECONDS={conf.beat_lease_seconds:g} is longer than the beat lock "
+                f"backend's max_ttl_seconds ({longest:g}): it refuses such a lease, and no beat would lead",
+                hint="Lower the beat lease, or raise the backend's max_ttl_seconds (and its restart quarantine).",
+                id="taskplatform.E032",
+            )
+        )
+    if backend is not None:
+        backend.close()
     failover = conf.beat_lease_seconds + conf.beat_tick_seconds
     if not errors and failover > 10:
         errors.append(

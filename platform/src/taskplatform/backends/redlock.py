@@ -67,7 +67,14 @@ if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('time')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('set', KEYS[3], string.format('%.0f', now), 'NX')
-local left = tonumber(redis.call('get', KEYS[3])) + tonumber(ARGV[3]) - now
+local born = tonumber(redis.call('get', KEYS[3]))
+if born > now then
+  -- born in the node's future: its clock was set back since. Restart the quarantine from now,
+  -- so it stays as long as a quarantine and no longer.
+  redis.call('set', KEYS[3], string.format('%.0f', now))
+  born = now
+end
+local left = born + tonumber(ARGV[3]) - now
 if left > 0 then return {'quarantined', left} end
 if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return tonumber(redis.call('get', KEYS[2]) or '0')

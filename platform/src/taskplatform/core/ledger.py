@@ -251,17 +251,23 @@ def claim(
         takeover = False
         owner_dead = False
         if state == State.RUNNING:
-            lease_live = execution.lease_expires_at is not None and execution.lease_expires_at > now
-            if lease_live:
-                if started_at is not None and _own_claim(execution, worker, celery_task_id, started_at):
+            if started_at is not None and _own_claim(execution, worker, celery_task_id, started_at):
+                # This delivery's own claim, committed although its reply was lost. Adopt it only
+                # through a renewal: the database's clock says whether its lease is still live,
+                # and the lease keeper then renews from a full lease, not from the old commit's.
+                if renew_lease(execution.pk, execution.fencing_token, lease_seconds):
                     log.warning(
                         "the claim's reply was lost but the claim committed: it is this delivery's own",
                         extra={"execution_id": execution.pk, "fencing_token": execution.fencing_token},
                     )
-                    return Claim("claimed", execution, lease_seconds=lease_seconds)
-                owner_dead = owner_alive(execution.worker) is False
-                if not owner_dead:
-                    return _absorb_duplicate(execution, worker=worker, celery_task_id=celery_task_id)
+                    return Claim("claimed", get(execution.pk), lease_seconds=lease_seconds)
+                # Its lease ran out (the rescuer may act on it): take it over like any expired one.
+            else:
+                lease_live = execution.lease_expires_at is not None and execution.lease_expires_at > now
+                if lease_live:
+                    owner_dead = owner_alive(execution.worker) is False
+                    if not owner_dead:
+                        return _absorb_duplicate(execution, worker=worker, celery_task_id=celery_task_id)
             takeover = True
         elif state not in CLAIMABLE_STATES:  # pragma: no cover - the table has no other states
             raise LedgerError(f"execution {execution.pk} is in unknown state {state!r}")
@@ -470,6 +476,9 @@ def record_stale_write(execution_id: int, token: int, *, worker: str, what: str)
     if (
         what == "succeed"
         and Execution.objects.filter(pk=execution_id, state=State.SUCCEEDED, fencing_token=token).exists()
+        and not ExecutionEvent.objects.filter(  # an operator's "mark succeeded" keeps the token
+            execution_id=execution_id, kind=EventKind.OPERATOR, to_state=State.SUCCEEDED, fencing_token=token
+        ).exists()
     ):
         log.info(
             "the success was recorded already (its first commit's reply was lost)",
@@ -618,13 +627,12 @@ def rescue_expired(execution: Execution, *, max_attempts: int, now: datetime) ->
     """Handle a ``RUNNING`` row whose lease expired: re-queue it, or dead-letter it.
 
     Returns ``"rescued"``, ``"dead_lettered"`` or ``"skipped"`` (the row moved meanwhile, or
-    its lease is live by the database's clock: renewed since it was read, or ``now`` ran ahead).
+    its lease is live by the database's clock: renewed since it was read). ``now`` stamps the
+    events only: a rescuer host whose clock is behind must not rescue late.
     ``max_attempts`` yields to a budget stored on the row (see ``schedule_retry``).
     """
-    if execution.state != State.RUNNING or (
-        execution.lease_expires_at is not None and execution.lease_expires_at > now
-    ):
-        return "skipped"
+    if execution.state != State.RUNNING:
+        return "skipped"  # whether its lease ran out is the database's clock's call, in the CAS below
     owner = execution.worker
     max_attempts = execution.max_attempts or max_attempts
     if execution.attempts >= max_attempts:

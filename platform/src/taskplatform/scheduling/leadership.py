@@ -49,6 +49,9 @@ class Leadership:
         if self.lease is None:
             try:
                 self.lease = self.backend.acquire(self.name, self.lease_seconds, identity=self.identity)
+            except ValueError as exc:  # refused by the backend's configuration (check taskplatform.E032)
+                self._log_error("the lock backend refuses the beat lease (a configuration error): %s", exc)
+                return False, False
             except Exception as exc:  # the lock server is unreachable: stay a follower
                 self._log_error("could not reach the lock backend to acquire the beat lease: %s", exc)
                 return False, False

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 from celery import Task
 from celery.canvas import Signature
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
-from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from ..conf import platform_settings
@@ -79,6 +79,35 @@ def _retry_db(fn: Any) -> Any:
             raise
         connection.close()
         return fn()
+
+
+#: Pause between two tries of a claim while the ledger database is unreachable.
+CLAIM_RETRY_SECONDS = 1.0
+
+
+def _claim_patiently(fn: Any, *, patience: float) -> Any:
+    """Run ``fn``, a delivery's claim, retrying on a fresh connection while the database is
+    unreachable, for up to ``patience`` seconds (the lease).
+
+    The claim may have committed although its reply was lost; a retry with the same start
+    mark adopts it (``ledger.claim``) while its lease is live. Giving up at once and putting
+    the message back made the redelivery, with a new mark, absorb itself as a duplicate of
+    its own claim: the attempt expired unrun and was counted as spent.
+    """
+    deadline = time.monotonic() + patience
+    pause = 0.0  # the first retry at once: the connection may merely have been a stale one
+    while True:
+        try:
+            return fn()
+        except (InterfaceError, OperationalError) as exc:
+            if connection.in_atomic_block:
+                raise
+            connection.close()
+            if time.monotonic() + pause >= deadline:
+                raise
+            log.warning("the ledger is unreachable; retrying the claim: %s", exc, exc_info=pause == 0.0)
+        time.sleep(pause)  # an outage must not spin the pool process
+        pause = CLAIM_RETRY_SECONDS
 
 
 def _record_while_leased(fn: Any, watch: Watch) -> Any:
@@ -282,13 +311,16 @@ class IdempotentTask(Task):
         worker = worker_identity(request.hostname or "local")
         started_at = timezone.now()
         try:
-            claim = _retry_db(lambda: self._claim(request, worker, args, kwargs, started_at))
-        except DatabaseError as exc:
+            claim = _claim_patiently(
+                lambda: self._claim(request, worker, args, kwargs, started_at), patience=self.lease_for(None)
+            )
+        except (InterfaceError, OperationalError) as exc:
             # The claim could not be made (the ledger is unreachable from this worker). A plain
             # Celery call's message is the only record of the work; a submitted execution's row
             # would wait for the rescuer's next look (minutes, and a rescuer that can reach the
             # database may not exist during a partition of this host). Either way the message
-            # goes back to the queue rather than be acknowledged as a failure.
+            # goes back to the queue rather than be acknowledged as a failure. Other database
+            # errors (a value the database refuses) would fail every time: they are not requeued.
             log.error(
                 "the ledger is unreachable; the message goes back to the queue",
                 exc_info=True,
@@ -350,7 +382,12 @@ class IdempotentTask(Task):
         except Ignore:
             if not returned:  # not atomic: the body's writes are committed already
                 try:
-                    self._record_success(execution, token, None, worker, started, note="body raised Ignore")
+                    _record_while_leased(
+                        lambda: self._record_success(
+                            execution, token, None, worker, started, note="body raised Ignore"
+                        ),
+                        watch,
+                    )
                 except StaleExecutionError as exc:  # a sibling handler would not see it
                     if ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed"):
                         log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
