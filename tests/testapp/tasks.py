@@ -274,3 +274,24 @@ def soft_limited(self: IdempotentTask, seconds: float = 10, on_soft: str = "retu
                 Effect.objects.create(key=self.idempotency_key, fencing_token=self.fencing_token or 0)
                 return "cleaned up"
     return "finished"
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.effect_elsewhere")
+def effect_elsewhere(self: IdempotentTask, gate_file: str) -> None:
+    """A non-atomic body whose effect does not go through the connection the ledger uses (an
+    HTTP call, another database): it waits for a file, not the database, then writes through
+    a fresh connection. A partition of its host cannot make it fail the way a body that keeps
+    using a dead connection does."""
+    from pathlib import Path
+
+    from django.db import connection
+
+    _raw(self, "started")
+    gate = Path(f"{gate_file}:{self.fencing_token}")
+    deadline = time.monotonic() + 120
+    while not gate.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate file {gate} never appeared")
+        time.sleep(0.05)
+    connection.close()  # whatever the old connection's fate, the effect goes out on a new one
+    Effect.objects.create(key=self.idempotency_key, fencing_token=self.fencing_token or 0)
