@@ -81,6 +81,65 @@ def insert(execution: Execution, now: datetime) -> bool:
     return True
 
 
+#: Rows per multi-row ``INSERT`` (``insert_many``). About 26 parameters a row keeps a full
+#: statement far below PostgreSQL's 65,535 bind parameters; measured, larger statements
+#: gain nothing per row.
+INSERT_MANY_ROWS = 1000
+
+
+@cache
+def _insert_many_sql(rows: int) -> str:
+    _sql, fields = _insert_sql()
+    columns = ", ".join(_q(str(f.column)) for f in fields)
+    # due_at as in ``insert``: the caller's instant for a parked row, else the database's clock.
+    row = ", ".join(
+        "COALESCE(%s::timestamptz, statement_timestamp() + %s::interval)" if f.attname == "due_at" else "%s"
+        for f in fields
+    )
+    return (
+        f"INSERT INTO {_q(Execution._meta.db_table)} ({columns}) VALUES {', '.join([f'({row})'] * rows)} "
+        f"ON CONFLICT ({_q('idempotency_key')}) DO NOTHING "
+        f"RETURNING {_q('id')}, {_q('idempotency_key')}, {_q('due_at')}"
+    )
+
+
+def insert_many(executions: list[Execution], now: datetime) -> int:
+    """``insert`` for many rows: one ``INSERT … VALUES (…), (…) ON CONFLICT DO NOTHING`` per
+    ``INSERT_MANY_ROWS``; returns how many were inserted.
+
+    Each inserted instance gets its ``pk`` and ``due_at`` (matched by key: ``RETURNING`` does
+    not promise the order of ``VALUES``); an instance whose key already existed keeps
+    ``pk = None``. The keys must be distinct (the caller collapses repeats).
+    """
+    _sql, fields = _insert_sql()
+    prep = [(f.attname, f) for f in fields]
+    inserted = 0
+    for start in range(0, len(executions), INSERT_MANY_ROWS):
+        chunk = executions[start : start + INSERT_MANY_ROWS]
+        values: list[Any] = []
+        for execution in chunk:
+            execution.created_at = execution.updated_at = now
+            for attname, f in prep:
+                if attname != "due_at":
+                    values.append(f.get_db_prep_save(getattr(execution, attname), connection))
+                elif execution.due_at is None or execution.due_at == execution.scheduled_for:
+                    values += [execution.due_at, None]
+                else:
+                    values += [None, execution.due_at - now]
+        with connection.cursor() as cursor:
+            cursor.execute(_insert_many_sql(len(chunk)), values)
+            rows = cursor.fetchall()
+        by_key = {key: (pk, due_at) for pk, key, due_at in rows}
+        for execution in chunk:
+            found = by_key.get(execution.idempotency_key)
+            if found is not None:
+                execution.pk, execution.due_at = found
+                execution._state.adding = False
+                execution._state.db = connection.alias
+        inserted += len(rows)
+    return inserted
+
+
 _EVENT_COLUMNS = "execution_id, at, kind, from_state, to_state, attempt, fencing_token, actor, reason, data"
 
 

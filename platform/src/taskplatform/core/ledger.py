@@ -149,6 +149,75 @@ def create(spec: NewExecution) -> tuple[Execution, bool]:
     return existing, False
 
 
+#: Keys per ``IN (…)`` list when ``create_many`` looks rows up (SQLite allows 32,766
+#: parameters a statement, PostgreSQL and MariaDB more).
+_KEYS_PER_SELECT = 1000
+
+
+def _existing(keys: Sequence[str]) -> dict[str, Execution]:
+    """The executions holding ``keys``, with their job definitions, by key."""
+    found: dict[str, Execution] = {}
+    for start in range(0, len(keys), _KEYS_PER_SELECT):
+        chunk = keys[start : start + _KEYS_PER_SELECT]
+        found.update(
+            (e.idempotency_key, e) for e in Execution.objects.select_related("job").filter(idempotency_key__in=chunk)
+        )
+    return found
+
+
+def create_many(specs: Sequence[NewExecution]) -> list[tuple[Execution, bool]]:
+    """``create`` for many executions: for each spec, in order, its execution and whether
+    this call inserted it (False: the key existed).
+
+    The keys must be distinct (``submit_many`` collapses repeats first). Runs in the
+    caller's transaction; ``submit_many`` wraps it in its own atomic block so that a batch it
+    refuses afterwards (a key reused with other arguments) leaves no row behind.
+
+    PostgreSQL: multi-row ``INSERT … ON CONFLICT DO NOTHING RETURNING`` statements
+    (``_pg.insert_many``), then one ``SELECT`` for the keys that already existed. Elsewhere:
+    one ``SELECT`` for existing keys, then ``bulk_create`` of the rest inside a savepoint; if a
+    concurrent submitter inserted one of those keys in between (a unique-key error), the
+    savepoint is rolled back and the rows are created one by one through ``create``, which
+    resolves each conflict.
+    """
+    if fastpath.enabled():
+        executions = [spec.build() for spec in specs]
+        fastpath.insert_many(executions, timezone.now())
+        existing = _existing([e.idempotency_key for e in executions if e.pk is None])
+        pairs: list[tuple[Execution, bool]] = []
+        for execution in executions:
+            if execution.pk is not None:
+                pairs.append((execution, True))
+                continue
+            found = existing.get(execution.idempotency_key)
+            if found is None:
+                raise LedgerError(f"execution with key {execution.idempotency_key!r} could not be inserted nor found")
+            pairs.append((found, False))
+        return pairs
+
+    existing = _existing([spec.idempotency_key for spec in specs])
+    new_specs = [spec for spec in specs if spec.idempotency_key not in existing]
+    created: dict[str, tuple[Execution, bool]] = {}
+    if new_specs:
+        executions = [spec.build() for spec in new_specs]
+        try:
+            with transaction.atomic():
+                Execution.objects.bulk_create(executions, batch_size=_KEYS_PER_SELECT)
+        except IntegrityError:
+            created = {spec.idempotency_key: create(spec) for spec in new_specs}
+        else:
+            missing = [e for e in executions if e.pk is None]  # a backend that returns no ids from a bulk insert
+            if missing:
+                ids = _existing([e.idempotency_key for e in missing])
+                for execution in missing:
+                    execution.pk = ids[execution.idempotency_key].pk
+            created = {e.idempotency_key: (e, True) for e in executions}
+    return [
+        (existing[spec.idempotency_key], False) if spec.idempotency_key in existing else created[spec.idempotency_key]
+        for spec in specs
+    ]
+
+
 def ensure(spec: NewExecution) -> Execution:
     """The execution for ``spec.idempotency_key``, inserted first if missing.
 
