@@ -6,6 +6,7 @@ reads the messages back from its list, so "published" means a message the broker
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import json
 import uuid
@@ -45,14 +46,19 @@ class Broker:
         self.client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
 
     def messages(self) -> list[dict[str, Any]]:
-        return [json.loads(raw) for raw in reversed(self.client.lrange(self.name, 0, -1))]
+        """Oldest first; a priority other than 0 has its own list (``<queue>\\x06\\x16<priority>``)."""
+        found: list[dict[str, Any]] = []
+        for key in sorted(self.client.keys(self.name + "*")):
+            found += [json.loads(raw) for raw in reversed(self.client.lrange(key, 0, -1))]
+        return found
 
     def keys(self) -> list[str]:
         """The ``tp_key`` header of every message on the queue, oldest first."""
         return [m["headers"]["tp_key"] for m in self.messages()]
 
     def clear(self) -> None:
-        self.client.delete(self.name)
+        for key in self.client.keys(self.name + "*"):
+            self.client.delete(key)
 
 
 @pytest.fixture
@@ -332,3 +338,85 @@ def test_a_key_inserted_by_another_submitter_after_the_lookup_is_reported_as_exi
     assert result.created == (True, False) and result[1].pk == other.pk
     assert broker.keys() == ["first"]
     assert Execution.objects.count() == 2
+
+
+def _decoded(message: dict[str, Any]) -> dict[str, Any]:
+    """A broker message with its body decoded and its per-publication delivery tag dropped."""
+    message = json.loads(json.dumps(message))
+    message["body"] = json.loads(base64.b64decode(message["body"]))
+    del message["properties"]["delivery_tag"]
+    return message
+
+
+@pytest.mark.parametrize("sent_events", [False, True], ids=["no-sent-events", "sent-events"])
+def test_a_batch_publishes_the_message_publish_would_send(broker, sent_events, monkeypatch):
+    """The batch sender builds one message per task with Celery and changes only the ids,
+    arguments and ledger headers per message: for the same execution and task id, its
+    message, its ``before_task_publish`` signal and its ``task-sent`` event are ``publish()``'s."""
+    from celery import current_app
+    from celery.signals import before_task_publish
+
+    from taskplatform.core.publisher import publish, publish_many
+
+    monkeypatch.setitem(current_app.conf, "task_send_sent_event", sent_events)
+    job = JobDefinition.objects.create(
+        slug="limits", task=EFFECT, queue=broker.name, priority=3, soft_time_limit_seconds=5, time_limit_seconds=9
+    )
+    execution = submit(job, args=[1, "two"], kwargs={"seconds": 0.5}, on_commit=False)
+    broker.clear()
+    signalled: list[dict[str, Any]] = []
+
+    def record(sender: str, **kwargs: Any) -> None:
+        signalled.append({"sender": sender, **{k: v for k, v in kwargs.items() if k not in ("signal", "declare")}})
+
+    events = broker.client.pubsub()
+    events.psubscribe("*celeryev*")
+    events.get_message(timeout=5)  # the subscription's confirmation
+    before_task_publish.connect(record, weak=False)
+    try:
+        assert publish(execution, task_id="same-id")
+        with monkeypatch.context() as patch:  # the batch builds its own message, not through send_task
+            patch.setattr(current_app, "send_task", lambda *a, **kw: pytest.fail("send_task called"))
+            assert publish_many([(execution, "same-id", None)])
+    finally:
+        before_task_publish.disconnect(record)
+    one, other = broker.messages()
+    assert _decoded(one) == _decoded(other)
+    assert one["headers"]["tp_key"] == execution.idempotency_key and one["headers"]["timelimit"] == [9, 5]
+    assert one["properties"]["priority"] == 3
+    assert len(signalled) == 2 and json.dumps(signalled[0], default=str) == json.dumps(signalled[1], default=str)
+
+    sent: list[dict[str, Any]] = []
+    while sent_events and len(sent) < 2:
+        event = events.get_message(timeout=10)
+        assert event is not None, "a task-sent event is missing"
+        if event["type"] == "pmessage":
+            body = json.loads(base64.b64decode(json.loads(event["data"])["body"]))
+            sent.append({k: v for k, v in body.items() if k not in ("timestamp", "clock", "local_received")})
+    events.close()
+    if sent_events:
+        assert sent[0] == sent[1] and sent[0]["uuid"] == "same-id" and sent[0]["queue"] == broker.name
+
+
+def test_a_broker_that_refuses_the_batch_leaves_the_rows_to_the_rescuer(broker, use_broker, caplog):
+    use_broker("redis://127.0.0.1:1/0")  # nothing listens there
+    result = submit_many(EFFECT, [{"idempotency_key": f"down{i}"} for i in range(3)], queue=broker.name)
+    assert result.created_count == 3  # the call succeeds: the rows are recorded
+    assert "batch publication failed; the rescuer will publish its rows again" in caplog.text
+    rows = Execution.objects.filter(idempotency_key__startswith="down")
+    assert {(r.state, r.publish_count) for r in rows} == {("PENDING", 1)} and all(r.due_at for r in rows)
+
+
+def test_the_statements_do_not_grow_with_the_batch(broker):
+    """One insert per chunk and no query per row: not when building the result, nor when the
+    publication reads each execution's job (time limits), which the rows carry cached."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    job = JobDefinition.objects.create(slug="q", task=EFFECT, queue=broker.name, soft_time_limit_seconds=5)
+    submit_many(job, [{"idempotency_key": "warm"}])  # the task registry, the broker connection
+    with CaptureQueriesContext(connection) as queries:
+        result = submit_many(job, [{"idempotency_key": f"q{i}"} for i in range(120)])
+        assert all(e.job.soft_time_limit_seconds == 5 for e in result)
+    assert len(queries) <= 10, [q["sql"][:80] for q in queries]
+    assert len(broker.keys()) == 121

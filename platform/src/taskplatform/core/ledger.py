@@ -165,6 +165,37 @@ def _existing(keys: Sequence[str]) -> dict[str, Execution]:
     return found
 
 
+class _Builder:
+    """Model instances for rows ``insert_many`` inserted, as ``NewExecution.build`` makes them,
+    then saved: with their id, due time and timestamps, and the job cached.
+
+    Built the way Django builds the rows it loads (``Model.from_db``, positional): a third
+    of the cost of keyword arguments, measured, which counts at ten thousand rows a call.
+    """
+
+    def __init__(self, template: NewExecution, now: datetime) -> None:
+        built = template.build()
+        built.created_at = built.updated_at = now
+        fields = Execution._meta.concrete_fields
+        self.attnames = [f.attname for f in fields]
+        self.values = [getattr(built, name) for name in self.attnames]
+        self.from_spec = [
+            (i, f.name) for i, f in enumerate(fields) if f.name in NewExecution.__dataclass_fields__ and f.name != "job"
+        ]
+        self.id, self.due_at, self.job_id = (self.attnames.index(name) for name in ("id", "due_at", "job_id"))
+        self.job = Execution._meta.get_field("job")
+
+    def __call__(self, spec: NewExecution, pk: int, due_at: datetime) -> Execution:
+        row = list(self.values)
+        for i, name in self.from_spec:
+            row[i] = getattr(spec, name)
+        row[self.id], row[self.due_at] = pk, due_at
+        row[self.job_id] = spec.job.pk if spec.job is not None else None
+        execution = Execution.from_db(connection.alias, self.attnames, row)
+        self.job.set_cached_value(execution, spec.job)
+        return execution
+
+
 def create_many(specs: Sequence[NewExecution]) -> list[tuple[Execution, bool]]:
     """``create`` for many executions: for each spec, in order, its execution and whether
     this call inserted it (False: the key existed).
@@ -181,17 +212,20 @@ def create_many(specs: Sequence[NewExecution]) -> list[tuple[Execution, bool]]:
     resolves each conflict.
     """
     if fastpath.enabled():
-        executions = [spec.build() for spec in specs]
-        fastpath.insert_many(executions, timezone.now())
-        existing = _existing([e.idempotency_key for e in executions if e.pk is None])
+        now = timezone.now()
+        inserted = fastpath.insert_many(specs, now)
+        existing = _existing([spec.idempotency_key for spec in specs if spec.idempotency_key not in inserted])
+        build = _Builder(specs[0], now) if inserted else None
         pairs: list[tuple[Execution, bool]] = []
-        for execution in executions:
-            if execution.pk is not None:
-                pairs.append((execution, True))
+        for spec in specs:
+            row = inserted.get(spec.idempotency_key)
+            if row is not None:
+                assert build is not None
+                pairs.append((build(spec, *row), True))
                 continue
-            found = existing.get(execution.idempotency_key)
+            found = existing.get(spec.idempotency_key)
             if found is None:
-                raise LedgerError(f"execution with key {execution.idempotency_key!r} could not be inserted nor found")
+                raise LedgerError(f"execution with key {spec.idempotency_key!r} could not be inserted nor found")
             pairs.append((found, False))
         return pairs
 
