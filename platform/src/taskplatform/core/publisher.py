@@ -130,9 +130,12 @@ class _BatchSender:
         self.app = app
         self.amqp = app.amqp
         self.producer = producer
-        # Inside a kombu batch a publication only buffers commands: a retry has nothing to
-        # retry (the flush is never retried, by kombu's design). Outside one, Celery's policy.
+        # Inside a kombu batch a publication only buffers commands: once the first message of
+        # a shape has connected and declared its queue (with Celery's retry policy, which
+        # also bounds the connection attempts), a retry has nothing to retry; the flush is
+        # never retried, by kombu's design. Outside a batch, Celery's policy every time.
         self.retry = False if batched else None
+        self.started: set[int] = set()  # the prototypes whose first message was sent
         self.prototypes: dict[tuple[Any, ...], _Prototype | None] = {}
         self.reprs = (app.amqp.argsrepr_maxsize, app.amqp.kwargsrepr_maxsize, app.conf.task_repr_maxlevels)
 
@@ -197,10 +200,9 @@ class _BatchSender:
         if not self.amqp.router.routes:  # no task_routes: the route depends on the options alone
             routed = self.amqp.router.route(dict(options), name, None, None, task)
             queue = routed.get("queue")
-            if isinstance(queue, Queue) and not isinstance(queue, Broadcast):
-                self.producer.maybe_declare(queue)  # once here, not with every message
-                return _Prototype(message, options, routed, task, declared=True)
-        return _Prototype(message, options, routed, task, declared=False)
+            fixed_queue = isinstance(queue, Queue) and not isinstance(queue, Broadcast)
+            return _Prototype(message, options, routed, task, fixed_queue=fixed_queue)
+        return _Prototype(message, options, routed, task, fixed_queue=False)
 
     def _send(self, prototype: _Prototype, execution: Execution, task_id: str) -> None:
         from celery.utils.saferepr import saferepr
@@ -224,13 +226,17 @@ class _BatchSender:
         routed = prototype.routed
         if routed is None:  # task_routes may route on the arguments: Celery's router, every message
             routed = self.amqp.router.route(dict(prototype.options), execution.task_name, args, kwargs, prototype.task)
-        if prototype.declared:
+        retry = self.retry
+        if id(prototype) not in self.started:  # Celery declares the queue and connects, its way
+            self.started.add(id(prototype))
+            retry = None
+        elif prototype.fixed_queue:  # declared with the first message: not with every message
             routed = dict(routed, declare=[])  # a list of its own: kombu may append to it
         self.amqp.send_task_message(
             self.producer,
             execution.task_name,
             (headers, properties, (args, kwargs, body0[2]), event),
-            retry=self.retry,
+            retry=retry,
             **routed,
         )
 
@@ -264,7 +270,7 @@ class _Prototype:
     options: dict[str, Any]  # what ``send_task`` routes and passes to ``send_task_message``
     routed: dict[str, Any] | None  # the routed options, when they do not depend on arguments
     task: Any
-    declared: bool  # its queue is declared: messages need not declare it again
+    fixed_queue: bool  # one declarable queue for every message: declared with the first one
 
 
 def publish_many(entries: Sequence[tuple[Execution, str, float | None]]) -> bool:
