@@ -187,8 +187,8 @@ def submit_many(
     on_commit: bool = True,
     trigger: str = Trigger.API,
 ) -> SubmitManyResult:
-    """Record many executions of one task in one statement, and publish them in a batch
-    once the transaction commits.
+    """Record many executions of one task in a few statements (on PostgreSQL one per 1,000
+    rows), and publish them in a batch once the transaction commits.
 
     Each item is a dict with any of ``args`` (list), ``kwargs`` (dict), ``idempotency_key``,
     ``countdown`` (seconds) and ``eta`` (aware datetime); a ``JobDefinition``'s default
@@ -336,7 +336,10 @@ def _item_spec(
     else:
         delay = 0.0
     on_broker = delay <= max_countdown
-    start = now + timedelta(seconds=delay) if delay else now
+    try:
+        start = now + timedelta(seconds=delay) if delay else now
+    except OverflowError:
+        raise InvalidArgumentsError(f"countdown or eta is beyond the year 9999: {delay} seconds") from None
     spec = NewExecution(
         idempotency_key=key,
         task_name=task.name,
