@@ -67,6 +67,8 @@ def broker() -> Iterator[Broker]:
     queue = Broker(f"tp-test-many-{uuid.uuid4().hex[:8]}")
     yield queue
     queue.clear()
+    for key in queue.client.keys(f"_kombu.binding*{queue.name}"):  # the queue's declaration
+        queue.client.delete(key)
 
 
 def nothing_recorded() -> bool:
