@@ -1,13 +1,13 @@
 """The public functions other code calls: submit work, give a job a schedule.
 
-``taskplatform.submit`` and friends resolve here (lazily, from the package root), so a
-project's code imports one stable place while the implementation lives in its layer:
-submission in ``core.submission``, job schedules in the ``jobs`` service.
+``taskplatform.submit``, ``submit_many`` and friends resolve here (lazily, from the package
+root), so a project's code imports one stable place while the implementation lives in its
+layer: submission in ``core.submission``, job schedules in the ``jobs`` service.
 """
 
 from __future__ import annotations
 
-from .core.submission import submit, submit_or_get
+from .core.submission import SubmitManyResult, submit, submit_many, submit_or_get
 from .jobs import schedule_job
 
-__all__ = ["schedule_job", "submit", "submit_or_get"]
+__all__ = ["SubmitManyResult", "schedule_job", "submit", "submit_many", "submit_or_get"]

@@ -14,16 +14,18 @@ Private to ``core.ledger`` (an import-linter contract keeps it so).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import fields as dataclass_fields
 from datetime import datetime
 from functools import cache
 from typing import Any
 
 from django.db import connection
-from django.db.models import Field
+from django.db.models import Field, Model
 
 from ..domain.states import State
 from ..models import Execution, ExecutionEvent
-from .types import Delivery
+from .types import Delivery, NewExecution
 
 
 def enabled() -> bool:
@@ -79,6 +81,100 @@ def insert(execution: Execution, now: datetime) -> bool:
     execution._state.adding = False
     execution._state.db = connection.alias
     return True
+
+
+#: Rows per multi-row ``INSERT`` (``insert_many``).
+INSERT_MANY_ROWS = 1000
+
+
+def _per_row_fields() -> frozenset[str]:
+    """The columns ``insert_many`` reads from each row: what ``NewExecution`` sets. Every other
+    column holds the same value in every new row (the model's default, the state, the time of
+    the insert)."""
+    names = {f.name for f in dataclass_fields(NewExecution)}
+    return frozenset(f.attname for f in Execution._meta.concrete_fields if f.name in names)
+
+
+@cache
+def _insert_many_sql() -> tuple[str, tuple[Field[Any, Any], ...], tuple[Field[Any, Any], ...]]:
+    _sql, fields = _insert_sql()
+    per_row = tuple(f for f in fields if f.attname in _per_row_fields() and f.attname != "due_at")
+    constant = tuple(f for f in fields if f.attname not in _per_row_fields() and f.attname != "due_at")
+    exprs: list[str] = []
+    for f in fields:
+        if f.attname == "due_at":  # as in ``insert``: the caller's instant if parked, else the database's clock
+            exprs.append("COALESCE(r.due_at, statement_timestamp() + make_interval(secs => r.due_in))")
+        elif f in per_row:
+            exprs.append(f"r.{_q(str(f.column))}")
+        else:
+            exprs.append("%s")
+    record = ", ".join(
+        [f"{_q(str(f.column))} {f.db_type(connection)}" for f in per_row] + ["due_at timestamptz", "due_in float8"]
+    )
+    sql = (
+        f"INSERT INTO {_q(Execution._meta.db_table)} ({', '.join(_q(str(f.column)) for f in fields)}) "
+        f"SELECT {', '.join(exprs)} FROM jsonb_to_recordset(%s::jsonb) AS r({record}) "
+        f"ON CONFLICT ({_q('idempotency_key')}) DO NOTHING "
+        f"RETURNING {_q('id')}, {_q('idempotency_key')}, {_q('due_at')}"
+    )
+    return sql, per_row, constant
+
+
+#: Field types whose Python values are already what ``jsonb_to_recordset`` reads.
+_AS_IS = frozenset(
+    {"CharField", "TextField", "JSONField", "IntegerField", "BigIntegerField", "PositiveIntegerField",
+     "PositiveSmallIntegerField", "SmallIntegerField", "BooleanField"}
+)  # fmt: skip
+
+
+def _json_value(value: Any) -> Any:
+    """A value of a ``NewExecution`` field as ``jsonb_to_recordset`` reads it."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, Model):  # a foreign key (``job``): its id
+        return value.pk
+    return value
+
+
+def insert_many(specs: Sequence[NewExecution], now: datetime) -> dict[str, tuple[int, datetime]]:
+    """``insert`` for many new executions, ``INSERT_MANY_ROWS`` a statement: for each key
+    inserted, its id and due time (a key that already existed is absent).
+
+    One ``INSERT … SELECT … FROM jsonb_to_recordset(%s) … ON CONFLICT DO NOTHING RETURNING``
+    per chunk: the rows travel as one JSON parameter. Measured against a multi-row
+    ``VALUES (…), (…)`` with about 26 parameters a row, it took a third of the time for
+    10,000 rows: psycopg no longer parses and adapts a 26,000-placeholder statement, and
+    Django no longer prepares each value of each field. Columns that ``NewExecution`` does
+    not set hold the same value in every new row and are sent once.
+
+    The keys must be distinct (the caller collapses repeats).
+    """
+    if not specs:
+        return {}
+    sql, per_row, constant = _insert_many_sql()
+    # Most fields are JSON as they are; only datetimes and the job need ``_json_value``.
+    plain = [(str(f.column), f.name) for f in per_row if f.get_internal_type() in _AS_IS]
+    other = [(str(f.column), f.name) for f in per_row if f.get_internal_type() not in _AS_IS]
+    template = specs[0].build()
+    template.created_at = template.updated_at = now
+    constants = [f.get_db_prep_save(getattr(template, f.attname), connection) for f in constant]
+    inserted: dict[str, tuple[int, datetime]] = {}
+    for start in range(0, len(specs), INSERT_MANY_ROWS):
+        rows: list[dict[str, Any]] = []
+        for spec in specs[start : start + INSERT_MANY_ROWS]:
+            row = {column: getattr(spec, name) for column, name in plain}
+            for column, name in other:
+                row[column] = _json_value(getattr(spec, name))
+            due_at = spec.due_at
+            if due_at is None or due_at == spec.scheduled_for:
+                row["due_at"], row["due_in"] = _json_value(due_at), None
+            else:
+                row["due_at"], row["due_in"] = None, (due_at - now).total_seconds()
+            rows.append(row)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [*constants, json.dumps(rows, allow_nan=False, separators=(",", ":"))])
+            inserted.update((key, (pk, due_at)) for pk, key, due_at in cursor.fetchall())
+    return inserted
 
 
 _EVENT_COLUMNS = "execution_id, at, kind, from_state, to_state, attempt, fencing_token, actor, reason, data"

@@ -1,0 +1,474 @@
+"""submit_many(): submit()'s semantics per item, one batch all or nothing, published after commit.
+
+The broker is the real Redis of the test run; each test publishes to a queue of its own and
+reads the messages back from its list, so "published" means a message the broker holds.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from django.conf import settings
+from django.db import transaction
+from django.test import override_settings
+
+from taskplatform import submit, submit_many
+from taskplatform.exceptions import (
+    IdempotencyKeyConflictError,
+    InvalidArgumentsError,
+    InvalidIdempotencyKeyError,
+    NotIdempotentTaskError,
+    PayloadTooLargeError,
+    SubmissionError,
+    UnknownTaskError,
+)
+from taskplatform.models import Execution, ExecutionEvent, JobDefinition
+from tests.testapp.models import Effect
+from tests.testapp.tasks import effect
+
+pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
+
+EFFECT = "testapp.effect"
+
+
+class Broker:
+    """The messages on one queue of the test broker."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """Oldest first; a priority other than 0 has its own list (``<queue>\\x06\\x16<priority>``)."""
+        found: list[dict[str, Any]] = []
+        for key in sorted(self.client.keys(self.name + "*")):
+            found += [json.loads(raw) for raw in reversed(self.client.lrange(key, 0, -1))]
+        return found
+
+    def keys(self) -> list[str]:
+        """The ``tp_key`` header of every message on the queue, oldest first."""
+        return [m["headers"]["tp_key"] for m in self.messages()]
+
+    def clear(self) -> None:
+        for key in self.client.keys(self.name + "*"):
+            self.client.delete(key)
+
+
+@pytest.fixture
+def broker() -> Iterator[Broker]:
+    queue = Broker(f"tp-test-many-{uuid.uuid4().hex[:8]}")
+    yield queue
+    queue.clear()
+    for key in queue.client.keys(f"_kombu.binding*{queue.name}"):  # the queue's declaration
+        queue.client.delete(key)
+
+
+def nothing_recorded() -> bool:
+    return Execution.objects.count() == 0 and ExecutionEvent.objects.count() == 0
+
+
+def test_each_item_gets_its_own_key_a_derived_key_or_a_new_one(broker, monkeypatch):
+    derive = lambda *a, **kw: f"gate:{kw['gate']}" if "gate" in kw else None  # noqa: E731
+    monkeypatch.setattr(effect, "derive_idempotency_key", derive)
+    result = submit_many(
+        EFFECT,
+        [{"kwargs": {"seconds": 1}, "idempotency_key": "given"}, {"kwargs": {"gate": "g1"}}, {}, {"args": []}],
+        queue=broker.name,
+    )
+    keys = [e.idempotency_key for e in result]
+    assert keys[:2] == ["given", "gate:g1"]
+    assert keys[2].startswith(f"{EFFECT}:") and keys[3].startswith(f"{EFFECT}:") and keys[2] != keys[3]
+    assert result.created == (True, True, True, True) and result.existing_keys == ()
+    assert broker.keys() == keys  # one message per row, in item order
+    rows = {r.idempotency_key: r for r in Execution.objects.all()}
+    assert rows.keys() == set(keys)
+    for execution, message in zip(result, broker.messages(), strict=True):
+        row = rows[execution.idempotency_key]
+        assert row.pk == execution.pk == message["headers"]["tp_execution"]
+        assert (row.state, row.publish_count, row.queue, row.trigger) == ("PENDING", 1, broker.name, "api")
+        assert row.celery_task_id == message["headers"]["id"] and row.due_at is not None
+    assert rows["given"].kwargs == {"seconds": 1} and rows["gate:g1"].kwargs == {"gate": "g1"}
+
+
+def test_the_result_is_a_sequence_of_executions_in_item_order(broker):
+    result = submit_many(EFFECT, [{"idempotency_key": f"s{i}"} for i in range(3)], queue=broker.name)
+    assert len(result) == 3 and result.created_count == 3
+    assert [e.idempotency_key for e in result] == ["s0", "s1", "s2"]
+    assert result[-1].idempotency_key == "s2" and [e.idempotency_key for e in result[:2]] == ["s0", "s1"]
+    assert submit_many(EFFECT, []).executions == ()
+    assert Execution.objects.count() == 3
+
+
+def test_existing_keys_are_reported_and_not_published_again(broker):
+    old = submit(EFFECT, kwargs={"seconds": 1}, idempotency_key="old", queue=broker.name)
+    assert broker.keys() == ["old"]
+    broker.clear()
+    result = submit_many(
+        EFFECT,
+        [
+            {"idempotency_key": "new1"},
+            {"idempotency_key": "old", "kwargs": {"seconds": 1}},
+            {"idempotency_key": "new2"},
+        ],
+        queue=broker.name,
+    )
+    assert result.created == (True, False, True)
+    assert result.existing_keys == ("old",)
+    assert result[1].pk == old.pk
+    assert broker.keys() == ["new1", "new2"]
+    assert Execution.objects.get(pk=old.pk).publish_count == 1
+    assert Execution.objects.count() == 3
+
+
+def test_a_batch_of_only_existing_keys_publishes_nothing(broker):
+    submit_many(EFFECT, [{"idempotency_key": "a"}, {"idempotency_key": "b"}], queue=broker.name)
+    broker.clear()
+    again = submit_many(EFFECT, [{"idempotency_key": "b"}, {"idempotency_key": "a"}], queue=broker.name)
+    assert again.created == (False, False) and again.existing_keys == ("b", "a")
+    assert broker.keys() == [] and Execution.objects.count() == 2
+
+
+def test_repeated_keys_inside_one_batch_collapse_onto_one_row(broker):
+    result = submit_many(
+        EFFECT,
+        [
+            {"idempotency_key": "d", "kwargs": {"seconds": 1}},
+            {"idempotency_key": "e"},
+            {"idempotency_key": "d", "kwargs": {"seconds": 1}},
+        ],
+        queue=broker.name,
+    )
+    assert result[0].pk == result[2].pk and result[0] is result[2]
+    assert result.created == (True, True, False) and result.existing_keys == ()
+    assert Execution.objects.count() == 2
+    assert broker.keys() == ["d", "e"]
+
+
+def test_a_key_repeated_in_the_batch_with_other_arguments_refuses_the_batch(broker):
+    with pytest.raises(IdempotencyKeyConflictError, match="item 2: idempotency key 'd' is also item 0's") as info:
+        submit_many(
+            EFFECT,
+            [
+                {"idempotency_key": "d", "kwargs": {"seconds": 1}},
+                {"idempotency_key": "e"},
+                {"idempotency_key": "d", "kwargs": {"seconds": 2}},
+            ],
+            queue=broker.name,
+        )
+    assert (info.value.context["index"], info.value.context["other_index"]) == (2, 0)
+    assert nothing_recorded() and broker.keys() == []
+
+
+def test_a_key_reused_with_other_arguments_refuses_the_whole_batch(broker):
+    old = submit(EFFECT, kwargs={"seconds": 1}, idempotency_key="k", queue=broker.name)
+    broker.clear()
+    with pytest.raises(IdempotencyKeyConflictError, match=r"^item 1: idempotency key 'k' already names") as info:
+        submit_many(
+            EFFECT,
+            [{"idempotency_key": "n1"}, {"idempotency_key": "k", "kwargs": {"seconds": 2}}, {"idempotency_key": "n2"}],
+            queue=broker.name,
+        )
+    assert info.value.context == {"execution_id": old.pk, "index": 1}
+    assert list(Execution.objects.values_list("idempotency_key", flat=True)) == ["k"]  # n1, n2 not recorded
+    assert broker.keys() == []
+
+
+def test_a_key_reused_for_another_task_refuses_the_whole_batch(broker):
+    submit("testapp.sleepy", idempotency_key="k", on_commit=False, queue=broker.name)
+    with pytest.raises(IdempotencyKeyConflictError, match=r"^item 0: .* of task 'testapp\.sleepy'"):
+        submit_many(EFFECT, [{"idempotency_key": "k"}, {"idempotency_key": "n"}], queue=broker.name)
+    assert Execution.objects.count() == 1
+
+
+def test_a_refused_batch_in_the_callers_transaction_rolls_back_only_the_batch(broker):
+    submit(EFFECT, kwargs={"seconds": 1}, idempotency_key="k", on_commit=False, queue=broker.name)
+    broker.clear()
+    with transaction.atomic():
+        Effect.objects.create(key="the view's own write", fencing_token=0)
+        with pytest.raises(IdempotencyKeyConflictError):
+            submit_many(EFFECT, [{"idempotency_key": "n1"}, {"idempotency_key": "k"}], queue=broker.name)
+        submit_many(EFFECT, [{"idempotency_key": "n2"}], queue=broker.name)  # the transaction is still usable
+    assert Effect.objects.filter(key="the view's own write").count() == 1
+    assert sorted(Execution.objects.values_list("idempotency_key", flat=True)) == ["k", "n2"]
+    assert broker.keys() == ["n2"]
+
+
+BAD_ITEMS: list[tuple[str, Any, type[SubmissionError], str]] = [
+    ("args not JSON", {"args": [dt.date(2026, 1, 1)]}, InvalidArgumentsError, "must be JSON values"),
+    ("kwargs not JSON", {"kwargs": {"x": object()}}, InvalidArgumentsError, "must be JSON values"),
+    ("NaN argument", {"args": [float("nan")]}, InvalidArgumentsError, "must be JSON values"),
+    ("args not a list", {"args": "abc"}, InvalidArgumentsError, "args must be a list"),
+    ("kwargs not a dict", {"kwargs": [1]}, InvalidArgumentsError, "kwargs must be a dict"),
+    ("oversized", {"args": ["x" * 2000]}, PayloadTooLargeError, "the limit is 1024 bytes"),
+    ("empty key", {"idempotency_key": " "}, InvalidIdempotencyKeyError, "must not be empty"),
+    ("key not a string", {"idempotency_key": 5}, InvalidIdempotencyKeyError, "must be a string"),
+    ("key too long", {"idempotency_key": "k" * 256}, InvalidIdempotencyKeyError, "the limit is 255"),
+    ("countdown and eta", {"countdown": 1, "eta": dt.datetime.now(dt.UTC)}, InvalidArgumentsError, "not both"),
+    ("naive eta", {"eta": dt.datetime(2030, 1, 1)}, InvalidArgumentsError, "timezone-aware"),
+    ("eta not a datetime", {"eta": "2030-01-01"}, InvalidArgumentsError, "eta must be a datetime"),
+    ("countdown not a number", {"countdown": "soon"}, InvalidArgumentsError, "finite number of seconds"),
+    ("infinite countdown", {"countdown": float("inf")}, InvalidArgumentsError, "finite number of seconds"),
+    ("countdown past 9999", {"countdown": 1e12}, InvalidArgumentsError, "beyond the year 9999"),
+    ("unknown field", {"kwarg": {"seconds": 1}}, InvalidArgumentsError, "unknown item field"),
+    ("item not a dict", ["args"], InvalidArgumentsError, "an item must be a dict, not list"),
+]
+
+
+@pytest.mark.parametrize(("item", "error", "message"), [b[1:] for b in BAD_ITEMS], ids=[b[0] for b in BAD_ITEMS])
+@override_settings(TASKPLATFORM_MAX_ARGS_BYTES=1024)
+def test_a_bad_item_refuses_the_batch_naming_it_and_nothing_is_recorded_or_published(item, error, message, broker):
+    items = [{"idempotency_key": "good-0"}, item, {"idempotency_key": "good-2"}]
+    with pytest.raises(error, match=f"^item 1: .*{message}") as info:
+        submit_many(EFFECT, items, queue=broker.name)
+    assert info.value.context["index"] == 1
+    assert nothing_recorded() and broker.keys() == []
+
+
+BAD_CALLS: list[tuple[str, Callable[[str], Any], type[SubmissionError], str]] = [
+    ("unknown task", lambda q: submit_many("no.such.task", [{}], queue=q), UnknownTaskError, "unknown task"),
+    ("not idempotent", lambda q: submit_many("testapp.plain", [{}], queue=q), NotIdempotentTaskError, "IdempotentTask"),
+    ("items a dict", lambda q: submit_many(EFFECT, {"args": []}, queue=q), InvalidArgumentsError, "iterable of dicts"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [b[1:] for b in BAD_CALLS], ids=[b[0] for b in BAD_CALLS])
+def test_a_bad_call_is_refused_and_nothing_is_recorded_or_published(call, error, message, broker):
+    with pytest.raises(error, match=message):
+        call(broker.name)
+    assert nothing_recorded() and broker.keys() == []
+
+
+def test_messages_are_sent_only_after_the_callers_transaction_commits(broker):
+    with transaction.atomic():
+        result = submit_many(EFFECT, [{"idempotency_key": f"c{i}"} for i in range(3)], queue=broker.name)
+        assert Execution.objects.count() == 3
+        assert broker.keys() == []  # not while the transaction is open
+    assert broker.keys() == ["c0", "c1", "c2"]
+    assert [m["headers"]["id"] for m in broker.messages()] == [
+        Execution.objects.get(pk=e.pk).celery_task_id for e in result
+    ]
+
+
+def test_a_rolled_back_transaction_records_and_publishes_nothing(broker):
+    with pytest.raises(RuntimeError), transaction.atomic():
+        submit_many(EFFECT, [{"idempotency_key": f"r{i}"} for i in range(3)], queue=broker.name)
+        raise RuntimeError("the view failed after submitting")
+    assert nothing_recorded() and broker.keys() == []
+
+
+def test_on_commit_false_publishes_as_soon_as_the_rows_are_inserted(broker):
+    with transaction.atomic():
+        submit_many(EFFECT, [{"idempotency_key": "now"}], queue=broker.name, on_commit=False)
+        assert broker.keys() == ["now"]
+
+
+def test_far_countdowns_are_parked_in_the_ledger_and_near_ones_go_to_the_broker(broker):
+    eta = dt.datetime.now(dt.UTC) + dt.timedelta(days=2)
+    before = dt.datetime.now(dt.UTC)
+    result = submit_many(
+        EFFECT,
+        [
+            {"idempotency_key": "soon", "countdown": 5},
+            {"idempotency_key": "later", "countdown": 3600},
+            {"idempotency_key": "days", "eta": eta},
+            {"idempotency_key": "now"},
+        ],
+        queue=broker.name,
+    )
+    assert settings.TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS < 3600
+    rows = {r.idempotency_key: r for r in Execution.objects.all()}
+    for key in ("later", "days"):
+        row = rows[key]
+        assert (row.publish_count, row.celery_task_id, row.state) == (0, "", "PENDING")
+        assert row.due_at == row.scheduled_for
+    assert rows["days"].scheduled_for == eta
+    assert rows["later"].scheduled_for >= before + dt.timedelta(seconds=3600)
+    assert rows["soon"].publish_count == 1 and rows["soon"].scheduled_for is not None
+    assert rows["now"].scheduled_for is None
+    assert broker.keys() == ["soon", "now"]
+    soon, now = broker.messages()
+    assert soon["headers"]["eta"] is not None and now["headers"]["eta"] is None
+    assert result.created == (True, True, True, True)
+
+
+def test_a_job_definition_supplies_default_arguments_and_the_queue(broker):
+    job = JobDefinition.objects.create(slug="j", task=EFFECT, kwargs={"seconds": 0.1}, queue=broker.name)
+    result = submit_many(job, [{}, {"kwargs": {"seconds": 2}}])
+    assert [(e.kwargs, e.queue, e.job_id, e.task_name) for e in result] == [
+        ({"seconds": 0.1}, broker.name, job.pk, EFFECT),
+        ({"seconds": 2}, broker.name, job.pk, EFFECT),
+    ]
+    assert len(broker.keys()) == 2
+
+
+def test_large_batches_are_split_across_statements_with_the_same_answers(broker, monkeypatch):
+    from taskplatform.core import _pg, ledger
+
+    monkeypatch.setattr(_pg, "INSERT_MANY_ROWS", 2)
+    monkeypatch.setattr(ledger, "_KEYS_PER_SELECT", 2)
+    submit_many(EFFECT, [{"idempotency_key": "x1"}, {"idempotency_key": "x4"}], queue=broker.name)
+    broker.clear()
+    keys = [f"x{i}" for i in range(7)]
+    result = submit_many(EFFECT, [{"idempotency_key": k} for k in keys], queue=broker.name)
+    assert [e.idempotency_key for e in result] == keys
+    assert result.created == (True, False, True, True, False, True, True)
+    assert result.existing_keys == ("x1", "x4")
+    assert broker.keys() == ["x0", "x2", "x3", "x5", "x6"]
+    assert Execution.objects.count() == 7
+    assert all(e.pk == Execution.objects.get(idempotency_key=e.idempotency_key).pk for e in result)
+
+
+def test_a_key_inserted_by_another_submitter_after_the_lookup_is_reported_as_existing(broker, monkeypatch):
+    """The portable path looks existing keys up first; a row that appears in between (another
+    process) makes the bulk insert fail, and the batch falls back to one insert per row."""
+    from django.db import connection
+
+    from taskplatform.core import ledger
+
+    if connection.vendor == "postgresql":
+        pytest.skip("PostgreSQL inserts first (ON CONFLICT DO NOTHING): no lookup to race")
+    other = submit(EFFECT, idempotency_key="raced", on_commit=False, queue=broker.name)
+    broker.clear()
+    monkeypatch.setattr(ledger, "_existing", lambda keys, real=ledger._existing: {} if "raced" in keys else real(keys))
+    result = submit_many(EFFECT, [{"idempotency_key": "first"}, {"idempotency_key": "raced"}], queue=broker.name)
+    assert result.created == (True, False) and result[1].pk == other.pk
+    assert broker.keys() == ["first"]
+    assert Execution.objects.count() == 2
+
+
+def _decoded(message: dict[str, Any]) -> dict[str, Any]:
+    """A broker message with its body decoded and its per-publication delivery tag dropped."""
+    message = json.loads(json.dumps(message))
+    message["body"] = json.loads(base64.b64decode(message["body"]))
+    del message["properties"]["delivery_tag"]
+    return message
+
+
+@pytest.mark.parametrize("sent_events", [False, True], ids=["no-sent-events", "sent-events"])
+def test_a_batch_publishes_the_message_publish_would_send(broker, sent_events, monkeypatch):
+    """The batch sender builds one message per task with Celery and changes only the ids,
+    arguments and ledger headers per message: for the same execution and task id, its
+    message, its ``before_task_publish`` signal and its ``task-sent`` event are ``publish()``'s."""
+    from celery import current_app
+    from celery.signals import before_task_publish
+
+    from taskplatform.core.publisher import publish, publish_many
+
+    monkeypatch.setitem(current_app.conf, "task_send_sent_event", sent_events)
+    job = JobDefinition.objects.create(
+        slug="limits", task=EFFECT, queue=broker.name, priority=3, soft_time_limit_seconds=5, time_limit_seconds=9
+    )
+    execution = submit(job, args=[1, "two"], kwargs={"seconds": 0.5}, on_commit=False)
+    broker.clear()
+    signalled: list[dict[str, Any]] = []
+
+    def record(sender: str, **kwargs: Any) -> None:
+        signalled.append({"sender": sender, **{k: v for k, v in kwargs.items() if k not in ("signal", "declare")}})
+
+    events = broker.client.pubsub()
+    events.psubscribe("*celeryev*")
+    events.get_message(timeout=5)  # the subscription's confirmation
+    before_task_publish.connect(record, weak=False)
+    try:
+        assert publish(execution, task_id="same-id")
+        with monkeypatch.context() as patch:  # the batch builds its own message, not through send_task
+            patch.setattr(current_app, "send_task", lambda *a, **kw: pytest.fail("send_task called"))
+            assert publish_many([(execution, "same-id", None)])
+    finally:
+        before_task_publish.disconnect(record)
+    one, other = broker.messages()
+    assert _decoded(one) == _decoded(other)
+    assert one["headers"]["tp_key"] == execution.idempotency_key and one["headers"]["timelimit"] == [9, 5]
+    assert one["properties"]["priority"] == 3
+    assert len(signalled) == 2 and json.dumps(signalled[0], default=str) == json.dumps(signalled[1], default=str)
+
+    sent: list[dict[str, Any]] = []
+    while sent_events and len(sent) < 2:
+        event = events.get_message(timeout=10)
+        assert event is not None, "a task-sent event is missing"
+        if event["type"] == "pmessage":
+            body = json.loads(base64.b64decode(json.loads(event["data"])["body"]))
+            sent.append({k: v for k, v in body.items() if k not in ("timestamp", "clock", "local_received")})
+    events.close()
+    if sent_events:
+        assert sent[0] == sent[1] and sent[0]["uuid"] == "same-id" and sent[0]["queue"] == broker.name
+
+
+def test_a_broker_that_refuses_the_batch_leaves_the_rows_to_the_rescuer(broker, use_broker, caplog):
+    use_broker("redis://127.0.0.1:1/0")  # nothing listens there
+    started = time.monotonic()
+    result = submit_many(EFFECT, [{"idempotency_key": f"down{i}"} for i in range(3)], queue=broker.name)
+    elapsed = time.monotonic() - started
+    assert result.created_count == 3  # the call succeeds: the rows are recorded
+    # Celery's publish retry policy bounds the attempt (about 0.6 s, as for submit()), not the
+    # connection's own (100 retries; a first cut that declared the queue directly took 6 s).
+    assert elapsed < 3, f"the call took {elapsed:.1f} s with the broker down"
+    assert "batch publication failed; the rescuer will publish its rows again" in caplog.text
+    rows = Execution.objects.filter(idempotency_key__startswith="down")
+    assert {(r.state, r.publish_count) for r in rows} == {("PENDING", 1)} and all(r.due_at for r in rows)
+
+
+def test_the_statements_do_not_grow_with_the_batch(broker):
+    """One insert per chunk and no query per row: not when building the result, nor when the
+    publication reads each execution's job (time limits), which the rows carry cached."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    job = JobDefinition.objects.create(slug="q", task=EFFECT, queue=broker.name, soft_time_limit_seconds=5)
+    submit_many(job, [{"idempotency_key": "warm"}])  # the task registry, the broker connection
+    with CaptureQueriesContext(connection) as queries:
+        result = submit_many(job, [{"idempotency_key": f"q{i}"} for i in range(120)])
+        assert all(e.job.soft_time_limit_seconds == 5 for e in result)
+    assert len(queries) <= 10, [q["sql"][:80] for q in queries]
+    assert len(broker.keys()) == 121
+
+
+def test_a_transport_that_cannot_batch_gets_each_message_at_once(broker, monkeypatch):
+    """RabbitMQ, or Redis with client retries (kombu will not batch them): no kombu batch,
+    each message sent on the shared producer with Celery's retry policy."""
+    from kombu import Producer
+
+    monkeypatch.setattr(Producer, "supports_batch_publish", property(lambda self: False))
+    monkeypatch.setattr(Producer, "batch", lambda self, **kw: pytest.fail("batch used"))
+    submit_many(EFFECT, [{"idempotency_key": f"nb{i}", "args": [i]} for i in range(3)], queue=broker.name)
+    assert broker.keys() == ["nb0", "nb1", "nb2"]
+    assert [m["headers"]["argsrepr"] for m in broker.messages()] == ["[0]", "[1]", "[2]"]
+
+
+def test_the_quick_argument_repr_is_celerys_saferepr_whenever_it_answers():
+    """The batch writes ``argsrepr``/``kwargsrepr`` with ``repr`` for flat numbers (ids, the
+    usual arguments) instead of Celery's slower ``saferepr``; on random values both agree."""
+    import random
+
+    from celery.utils.saferepr import saferepr
+
+    from taskplatform.core.publisher import _plain_repr
+
+    rnd = random.Random(12)
+
+    def number() -> Any:
+        return rnd.choice([rnd.randint(-(10**20), 10**20), rnd.random() * 10 ** rnd.randint(-30, 30), True, None, 0])
+
+    answered = 0
+    for maxsize in (16, 64, 1024):
+        for _ in range(3000):
+            n = rnd.randint(0, 150)
+            value: Any = (
+                [number() for _ in range(n)]
+                if rnd.random() < 0.5
+                else {rnd.choice(["a", "b_c", "_", "Kw", "é", "1a", "if", "x-y"]) + str(j): number() for j in range(n)}
+            )
+            quick = _plain_repr(value, maxsize)
+            if quick is not None:
+                answered += 1
+                assert quick == saferepr(value, maxsize, maxlevels=3), value
+    assert answered > 500
+    assert _plain_repr(["it's"], 1024) is None and _plain_repr({1: 2}, 1024) is None
