@@ -158,8 +158,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         18,
         WORKER,
-        "warm shutdown (SIGTERM) during a long body",
-        "Celery finishes the running body and records it before exiting.",
+        "warm (SIGTERM) or cold (SIGQUIT) shutdown during a long body",
+        "warm: Celery finishes the running body and records it before exiting. Cold: the body is "
+        "killed, its unacknowledged message comes back and the next worker takes the dead attempt over "
+        "(atomic: its writes rolled back, one effect in all).",
     ),
     Scenario(
         19,
