@@ -260,7 +260,9 @@ def test_a_paused_leader_that_wakes_up_publishes_nothing(
     assert window <= set(counts), f"plain slots never published: {sorted(window - set(counts))[:3]}"
     assert not Execution.objects.filter(job=job).exclude(trigger="beat").exists()
     # The scenario happened: the sleeper woke up trusting its lease, tried, and was fenced off.
-    assert "could not renew the beat lease" in old.log()
+    # (It notices the lost lock on its renewal, or, when its first tick after waking publishes
+    # before the renewal is due, on the fence; then its next acquire is refused.)
+    assert "could not renew the beat lease" in old.log() or "could not reach the lock backend" in old.log()
     assert "stops publishing" in old.log(), "the woken leader did not try to publish (or was not fenced off)"
     plain_doubled = sum(1 for key in window if counts[key] > 1)
     figures.record(**slot_tally(job, first, now, counts), plain_slots=len(window), plain_doubled=plain_doubled)
