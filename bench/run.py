@@ -162,12 +162,14 @@ def run_variant(variant: str, n: int) -> dict[str, Any]:
         wait_drained(60)
         reset_state()
         tx_before = pg_transactions()
+        cpu_before = cpu_snapshot(worker.pid)
         start = time.perf_counter()
         for i in range(n):
             publish(i)
         published = time.perf_counter()
         wait_drained(600)
         end = time.perf_counter()
+        cpu = cpu_per_task(cpu_before, cpu_snapshot(worker.pid), n)
         time.sleep(1.2)  # let PostgreSQL flush its statistics
         tx = pg_transactions() - tx_before - 2
         check = verify(variant, n)
@@ -194,7 +196,50 @@ def run_variant(variant: str, n: int) -> dict[str, Any]:
         "publish_per_second": round(n / (published - start), 1),
         "drain_per_second": round(n / (drain_end - drain_start), 1),
         "pg_transactions_per_task": round(tx / n, 2),
+        "cpu_us_per_task": cpu,
         "check": check,
+    }
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(command name, parent pid, user + system CPU ticks) of a live process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    rest = text[text.rindex(")") + 2 :].split()
+    return name, int(rest[1]), int(rest[11]) + int(rest[12])
+
+
+def cpu_snapshot(worker_pid: int) -> dict[str, dict[int, int]]:
+    """CPU ticks per live process, grouped: this process (the producer), the worker (main and
+    pool processes), PostgreSQL (every server process) and Redis."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None:
+            stats[int(entry)] = stat
+    worker = {worker_pid} | {pid for pid, (_, ppid, _) in stats.items() if ppid == worker_pid}
+    groups: dict[str, dict[int, int]] = {"producer": {}, "worker": {}, "postgres": {}, "redis": {}}
+    for pid, (name, _, ticks) in stats.items():
+        if pid == os.getpid():
+            groups["producer"][pid] = ticks
+        elif pid in worker:
+            groups["worker"][pid] = ticks
+        elif name == "postgres":
+            groups["postgres"][pid] = ticks
+        elif name == "redis-server":
+            groups["redis"][pid] = ticks
+    return groups
+
+
+def cpu_per_task(before: dict[str, dict[int, int]], after: dict[str, dict[int, int]], n: int) -> dict[str, float]:
+    """Microseconds of CPU per task in each group between two snapshots (a process that
+    started in between counts from zero)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    return {
+        group: round(sum(t - before[group].get(pid, 0) for pid, t in after[group].items()) / hz / n * 1e6, 1)
+        for group in after
     }
 
 
