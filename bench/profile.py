@@ -91,26 +91,58 @@ def main() -> None:
     finally:
         run.stop_worker(worker)
 
-    own: collections.Counter[str] = collections.Counter()
+    report(out, args.variant, args.tasks, seconds, args.top)
+
+
+#: Inclusive markers: the share of a pool process's samples spent under each of these frames.
+MARKERS = (
+    ("task, as Celery traces it", "trace_task (celery/app/trace.py"),
+    ("  the ledger's claim", "_claim_patiently (taskplatform"),
+    ("  the body", "benchapp/tasks.py"),
+    ("  the ledger's success mark", "_record_success (taskplatform"),
+    ("  waiting for PostgreSQL's reply", "wait (psycopg/connection.py"),
+    ("idle, waiting for the next task", "_recv (billiard/connection.py"),
+)
+
+
+def report(out: Path, variant: str, tasks: int, seconds: float, top: int) -> None:
+    """Summarise py-spy's raw stacks: samples per process role, then, for the pool processes'
+    main threads, the share under each marker and the hottest frames by own samples."""
+    roles: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
     layers: collections.Counter[str] = collections.Counter()
-    total = 0
+    own: collections.Counter[str] = collections.Counter()
     for line in out.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack or "ForkPoolWorker" not in stack and "MainProcess" not in stack:
-            pass
-        frames = stack.split(";")
+        if not count.isdigit():
+            continue
         n = int(count)
-        total += n
-        inner = frames[-1]
-        own[inner] += n
-        layers[layer_of(inner)] += n
-    print(f"{args.variant}: {args.tasks} tasks drained in {seconds:.2f} s ({args.tasks / seconds:.0f}/s); {total} samples")
-    print("\nshare of samples by layer of the innermost frame:")
+        frames = stack.split(";")
+        pool = len(frames) > 1 and frames[1].startswith("process ")
+        thread = "_bootstrap (threading.py" in stack
+        role = ("pool process" if pool else "worker main process") + (", other threads" if thread else "")
+        roles[role] += n
+        if role != "pool process":
+            continue
+        for label, marker in MARKERS:
+            if marker in stack:
+                inclusive[label] += n
+        layers[layer_of(frames[-1])] += n
+        own[frames[-1]] += n
+    pool_samples = roles["pool process"] or 1
+    print(f"{variant}: {tasks} tasks drained in {seconds:.2f} s ({tasks / seconds:.0f}/s)")
+    print("\nsamples by process role (py-spy --idle: every thread, running or waiting):")
+    for role, n in roles.most_common():
+        print(f"  {role:<40} {n:>7}")
+    print("\npool processes, main thread: share of samples under each frame")
+    for label, _marker in MARKERS:
+        print(f"  {label:<40} {100 * inclusive[label] / pool_samples:5.1f} %")
+    print("\npool processes, main thread: share of samples by layer of the innermost frame")
     for name, n in layers.most_common():
-        print(f"  {name:<24} {100 * n / total:5.1f} %")
-    print(f"\ntop {args.top} functions by own samples:")
-    for frame, n in own.most_common(args.top):
-        print(f"  {100 * n / total:5.1f} %  {frame}")
+        print(f"  {name:<40} {100 * n / pool_samples:5.1f} %")
+    print(f"\npool processes, main thread: top {top} frames by own samples")
+    for frame, n in own.most_common(top):
+        print(f"  {100 * n / pool_samples:5.1f} %  {frame}")
 
 
 if __name__ == "__main__":

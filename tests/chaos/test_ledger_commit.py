@@ -44,10 +44,12 @@ from tests.conftest import test_database_url as database_url
 from tests.helpers import event_kinds
 from tests.testapp.models import Effect, EffectRaw
 
-#: The statements the cuts aim at (as the worker sends them: psycopg 3 binds client-side, so
-#: the SQL arrives whole in a simple Query message).
+#: The statements the cuts aim at (as the worker sends them: whole in a simple Query message
+#: where Django's cursor binds client-side, in a Parse message where ``core/_pg.py`` lets the
+#: server bind the parameters).
 SUCCESS_MARK = r"SET state = 'SUCCEEDED'"  # the success compare-and-set (core/_pg.py)
 FIRST_CLAIM = r"SET\s+state = 'RUNNING'"  # the one-statement claim of a first attempt (core/_pg.py)
+CREATE_CLAIMED = r'INSERT INTO "taskplatform_execution" AS e'  # a plain call's create-and-claim (core/_pg.py)
 PORTABLE_CLAIM = r"""SET "state" = 'RUNNING'"""  # the claim of any other attempt (core/ledger.py)
 COMMIT = r"^COMMIT$"
 
@@ -329,6 +331,42 @@ def test_an_in_doubt_claim_is_recognised_as_the_deliverys_own(
     )  # fmt: skip
     assert (final.state, final.attempts, final.fencing_token) == ("SUCCEEDED", attempt, attempt), final.last_error
     assert starts == list(range(1, attempt + 1)), "the body ran in the attempt whose claim was in doubt"
+    assert "duplicate_delivery" not in event_kinds(execution.pk)
+
+
+@pytest.mark.scenario(14)
+@pytest.mark.worker
+@pytest.mark.fault
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_an_in_doubt_create_and_claim_of_a_plain_call_is_recognised_as_the_deliverys_own(
+    pg_proxy, workers, poll, figures, when
+):
+    """A plain Celery call (``task.delay()``): the worker creates the row already claimed, in one
+    statement, and that statement's reply is lost after the server committed it (``after``) or
+    before it reached the server (``before``). The retry on a fresh connection finds the key
+    taken under its own name, message and start mark, adopts the claim and runs the body in the
+    first attempt; it does not absorb itself as a duplicate and leave the attempt to expire."""
+    from tests.testapp.tasks import effect
+
+    cut = pg_proxy.arm(Cut(CREATE_CLAIMED, when=when))
+    worker = workers.start(concurrency=1, env=through(pg_proxy))
+    message = effect.delay()
+    fired(poll, cut, worker, pg_proxy)
+    if when == "after":
+        assert cut.server_reply[:1] == ["C:SELECT 1"], f"the create-and-claim committed: {cut.server_reply}"
+    execution = settle(
+        poll, lambda: Execution.objects.filter(idempotency_key=message.id, state="SUCCEEDED").first(),
+        proxy=pg_proxy, worker=worker, what="the plain call's success",
+    )  # fmt: skip
+    recovery = time.monotonic() - (cut.fired_at or 0.0)
+    starts = raw_starts(execution.idempotency_key)
+    figures.record(
+        executions=1, body_starts=len(starts), lost=lost(execution), recovery_s=recovery,
+        attempts=execution.attempts, duplicate_deliveries=event_kinds(execution.pk).count("duplicate_delivery"),
+    )  # fmt: skip
+    assert (execution.attempts, execution.fencing_token) == (1, 1)
+    assert starts == [1], "the body ran once, in the attempt whose claim was in doubt"
     assert "duplicate_delivery" not in event_kinds(execution.pk)
 
 

@@ -283,6 +283,38 @@ def test_the_postgresql_fast_path_lets_exactly_one_of_many_concurrent_claims_win
     assert row(execution).attempts == 1
 
 
+def test_a_plain_calls_create_and_claim_lets_exactly_one_of_many_concurrent_deliveries_run() -> None:
+    """``task.delay()``: the worker inserts the row already claimed. Copies of the same call
+    racing on one key: one creates and claims it; every other finds the key and is absorbed by
+    the portable claim (the live attempt's lease), none runs a second attempt."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the one-statement create-and-claim exists on PostgreSQL only")
+    spec = ledger.NewExecution(
+        idempotency_key="plain-race", task_name="testapp.effect", args=[1], kwargs={"a": 2}, trigger=Trigger.CELERY
+    )
+
+    def contender(i: int, start: Any) -> str:
+        start()
+        mark = timezone.now()
+        worker, task_id = f"node-{i}:{i}", "t-plain"
+        created = ledger.create_claimed(spec, worker=worker, celery_task_id=task_id, lease_seconds=60, started_at=mark)
+        if created is not None:
+            assert (created.execution.args, created.execution.kwargs, created.token) == ([1], {"a": 2}, 1)
+            assert created.execution.started_at == mark
+            return "created"
+        existing = ledger.ensure(spec)
+        return ledger.claim(
+            existing, worker=worker, celery_task_id=task_id, lease_seconds=60, max_attempts=3, started_at=mark
+        ).outcome
+
+    outcomes = race(8, contender)
+    assert sorted(outcomes) == ["created"] + ["duplicate"] * 7
+    stored = Execution.objects.get(idempotency_key="plain-race")
+    assert (stored.state, stored.attempts, stored.fencing_token, stored.args) == ("RUNNING", 1, 1, [1])
+    assert stored.lease_expires_at is not None and stored.lease_expires_at > timezone.now()
+    assert ExecutionEvent.objects.filter(execution=stored, kind=EventKind.CLAIMED).count() == 1
+
+
 # --- review: MariaDB/MySQL sessions not set to UTC ----------------------------------------------
 
 

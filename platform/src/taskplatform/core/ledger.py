@@ -272,6 +272,34 @@ def ensure(spec: NewExecution) -> Execution:
     return Execution.objects.select_related("job").get(idempotency_key=spec.idempotency_key)
 
 
+def create_claimed(
+    spec: NewExecution, *, worker: str, celery_task_id: str, lease_seconds: int, started_at: datetime
+) -> Claim | None:
+    """Record a new execution already claimed by its first attempt, in one statement.
+
+    The worker's path for a plain Celery call (``task.delay()``), whose row does not exist
+    before its message: the insert and the claim commit together, so the row never sits
+    unclaimed. None when the key exists already (another delivery of the same call, a key
+    derived from the arguments, a claim of this delivery whose reply was lost) and on
+    databases without ``INSERT … RETURNING`` in a data-modifying statement: then ``ensure``
+    and ``claim`` decide, and a lost reply is recognised by ``started_at``.
+    """
+    if not fastpath.enabled():
+        return None
+    execution = spec.build()
+    execution.state = State.RUNNING
+    execution.attempts = execution.fencing_token = 1
+    execution.worker = worker[:255]
+    execution.celery_task_id = celery_task_id[:255]
+    execution.started_at = started_at
+    execution.created_at = execution.updated_at = timezone.now()
+    execution.due_at = None
+    stored = fastpath.create_claimed(execution, lease_seconds=lease_seconds)
+    if stored is None:
+        return None
+    return Claim("claimed", stored, lease_seconds=lease_seconds)
+
+
 # --- the worker's side: claim, heartbeat, outcome ---------------------------------------------
 
 

@@ -285,18 +285,23 @@ class IdempotentTask(Task):
             nesting = int(getattr(request, "replaced_task_nesting", 0) or 0)
             key = f"{request.id}:replaced:{nesting}" if nesting else request.id
         delivery_info = request.delivery_info or {}
-        execution = ledger.ensure(
-            NewExecution(
-                idempotency_key=str(key)[:255],
-                task_name=self.name,
-                args=list(args),
-                kwargs=dict(kwargs),
-                trigger=Trigger.CELERY,
-                queue=str(delivery_info.get("routing_key") or "")[:100],
-                celery_task_id=request.id,
-                publish_count=1,
-            )
+        spec = NewExecution(
+            idempotency_key=str(key)[:255],
+            task_name=self.name,
+            args=list(args),
+            kwargs=dict(kwargs),
+            trigger=Trigger.CELERY,
+            queue=str(delivery_info.get("routing_key") or "")[:100],
+            celery_task_id=request.id,
+            publish_count=1,
         )
+        lease_seconds = self.lease_for(None)  # a plain call has no job definition
+        created = ledger.create_claimed(
+            spec, worker=worker, celery_task_id=request.id, lease_seconds=lease_seconds, started_at=started_at
+        )
+        if created is not None:
+            return created
+        execution = ledger.ensure(spec)
         return ledger.claim(
             execution,
             worker=worker,
