@@ -1,17 +1,35 @@
-"""End-to-end throughput of a no-op task, four ways, on the same worker settings, in one run.
+"""End-to-end and drain throughput of a benchmark task, several ways, on the same machine, in one run.
 
-    .venv/bin/python bench/run.py [--tasks 20000] [--repeat 1] [--variants plain,dcr,once,ledger]
+    .venv/bin/python bench/run.py [--tasks 20000] [--repeat 1] [--body noop]
+        [--variants plain,dcr,once,ledger,ledger_delay,procrastinate]
 
-Every variant runs one real ``celery worker`` (Redis broker, prefork, concurrency 2,
-``acks_late``, prefetch 1, connection reuse on). Two figures per variant:
+The Celery variants run one real ``celery worker`` (Redis broker, prefork, concurrency 2,
+``acks_late``, prefetch 1, connection reuse on). The Procrastinate peer runs its own worker
+(``manage.py procrastinate worker --concurrency 2``: one process, jobs in two threads) on the
+same PostgreSQL database. Two figures per variant:
 
 * end to end: this process publishes the tasks while the worker consumes; the clock runs
-  from the first publication until the broker holds no queued or unacknowledged message;
+  from the first publication until no task is queued or running (Celery: the broker holds no
+  queued or unacknowledged message; Procrastinate: no job is ``todo`` or ``doing``);
 * drain: the queue is filled first, then the worker starts consuming; worker-side cost only.
+  Celery: the worker's consumer is cancelled, the queue filled, the consumer added back.
+  Procrastinate: the worker runs, idle, listening to queue ``bench``; the jobs are deferred
+  into ``bench_hold``, a queue it does not read, then moved to ``bench`` by one ``UPDATE`` in
+  the transaction that also sends the ``job_inserted`` notification a defer would have sent.
+  The clock starts before that commit (after the ``UPDATE`` itself), so neither the worker's
+  start-up nor the filling is counted.
 
-Also reported: the ratio to plain Celery, the publish rate, the PostgreSQL transactions
-per task (``pg_stat_database``, end-to-end run) and the SQL statements per task (counted
-in-process on the same code path).
+``--body`` chooses what each task does (``bench/benchapp/bodies.py``): ``noop``, ``cpu1ms``
+(a 1 ms busy loop), ``io10ms`` (a 10 ms sleep) or ``write`` (one row into a table with no
+unique constraint; the ledger variants run it with ``atomic = True``). The task name carries
+the body, so the worker runs the body the producer asked for; ``write`` is verified by
+counting rows (one per task, not more).
+
+Also reported: the ratio to plain Celery, the publish rate, the PostgreSQL transactions per
+task (``pg_stat_database``, end-to-end run; the transactions of this process's own polling of
+``procrastinate_jobs`` are subtracted), the CPU per task by process group (this process, the
+worker's process tree, PostgreSQL, Redis; the polling costs its share there) and the SQL
+statements per task (counted in-process on the same code path).
 """
 
 from __future__ import annotations
@@ -24,11 +42,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+
+from bench.benchapp.bodies import BODIES  # noqa: E402  (no Django import: safe before setup)
 
 VARIANTS = {
     "plain": "plain Celery (no result backend)",
@@ -36,15 +56,40 @@ VARIANTS = {
     "dcr_default": "Celery + django-celery-results, out of the box (no CELERY_DB_REUSE_MAX)",
     "once": "Celery + celery-once (Redis lock)",
     "ledger": "taskplatform IdempotentTask + submit() (PostgreSQL ledger)",
+    "ledger_delay": "taskplatform IdempotentTask + plain .delay() (worker makes row)",
+    "procrastinate": "Procrastinate (PostgreSQL queue, Django contrib), concurrency 2",
 }
+BODY_DESCRIPTIONS = {
+    "noop": "no-op",
+    "cpu1ms": "1 ms busy loop",
+    "io10ms": "10 ms sleep",
+    "write": "one-row insert",
+}
+#: How long to wait before reading ``pg_stat_database``: a backend that has gone idle sends
+#: the counts of its last second of transactions only after 10 s idle (PostgreSQL 15+'s
+#: ``PGSTAT_IDLE_INTERVAL``); reading sooner misses the workers' last second of work.
+STATS_FLUSH_SECONDS = 11.0
+#: How often the end of a run is looked for (seconds), on the broker or on procrastinate_jobs.
+POLL_SECONDS = 0.01
 
 
 def ensure_database() -> None:
+    """Create the database ``DATABASE_URL`` names (bench/settings.py's default if unset) and
+    migrate it: the platform's, django-celery-results', Procrastinate's and the bench app's tables."""
     import psycopg
+    from django.conf import settings
+    from psycopg import sql
 
-    with psycopg.connect("postgresql://postgres@127.0.0.1:5432/postgres", autocommit=True) as conn:
-        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = 'taskplatform_bench'").fetchone():
-            conn.execute("CREATE DATABASE taskplatform_bench")
+    db = settings.DATABASES["default"]
+    server = {
+        "host": db.get("HOST") or "127.0.0.1",
+        "port": db.get("PORT") or 5432,
+        "user": db.get("USER") or "postgres",
+        "password": db.get("PASSWORD") or None,
+    }
+    with psycopg.connect(dbname="postgres", autocommit=True, **server) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [db["NAME"]]).fetchone():
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db["NAME"])))
     subprocess.run(
         [sys.executable, "manage.py", "migrate", "--noinput", "-v0"],
         cwd=ROOT,
@@ -54,6 +99,7 @@ def ensure_database() -> None:
 
 
 def reset_state() -> None:
+    """Empty the brokers, the ledger, the result table, Procrastinate's jobs and the effects."""
     import redis
     from django.conf import settings
     from django.db import connection
@@ -62,8 +108,8 @@ def reset_state() -> None:
     redis.Redis.from_url(settings.BENCH_ONCE_REDIS_URL).flushdb()
     with connection.cursor() as cur:
         cur.execute(
-            "TRUNCATE taskplatform_executionevent, taskplatform_execution, django_celery_results_taskresult "
-            "RESTART IDENTITY CASCADE"
+            "TRUNCATE taskplatform_executionevent, taskplatform_execution, django_celery_results_taskresult, "
+            "procrastinate_events, procrastinate_jobs, benchapp_bencheffect RESTART IDENTITY CASCADE"
         )
 
 
@@ -127,69 +173,248 @@ def drained() -> bool:
     return r.llen("bench") == 0 and r.hlen("unacked") == 0
 
 
-def publisher(variant: str) -> Any:
-    from bench.benchapp import tasks as t
+def publisher(variant: str, body: str = "noop") -> Any:
+    """The call that publishes one task ``i`` of ``variant`` running ``body`` (Celery variants)."""
+    from bench.benchapp.tasks import TASKS
     from taskplatform import submit
 
+    tasks = TASKS[body]
     if variant == "ledger":
-        return lambda i: submit(t.ledger_noop, [i])
-    task = {"plain": t.plain_noop, "dcr": t.dcr_noop, "dcr_default": t.dcr_noop, "once": t.once_noop}[variant]
-    return task.delay
+        return lambda i: submit(tasks["ledger"], [i])
+    family = {"plain": "plain", "dcr": "dcr", "dcr_default": "dcr", "once": "once", "ledger_delay": "ledger"}
+    return tasks[family[variant]].delay
 
 
-def verify(variant: str, n: int) -> str:
+def verify(variant: str, body: str, n: int) -> str:
+    """What the database says about the ``n`` tasks just run (the broker alone says little)."""
+    from django.db import connection
     from django_celery_results.models import TaskResult
 
+    from bench.benchapp.models import BenchEffect
     from taskplatform.models import Execution
 
-    if variant == "ledger":
-        done = Execution.objects.filter(state="SUCCEEDED").count()
-        return f"{done}/{n} executions SUCCEEDED"
-    if variant.startswith("dcr"):
-        return f"{TaskResult.objects.filter(status='SUCCESS').count()}/{n} results stored"
-    return "broker drained"
+    checks = []
+    if body == "write":
+        checks.append(f"{BenchEffect.objects.count()}/{n} rows written")
+    if variant in ("ledger", "ledger_delay"):
+        checks.append(f"{Execution.objects.filter(state='SUCCEEDED').count()}/{n} executions SUCCEEDED")
+    elif variant.startswith("dcr"):
+        checks.append(f"{TaskResult.objects.filter(status='SUCCESS').count()}/{n} results stored")
+    elif variant == "procrastinate":
+        with connection.cursor() as cur:
+            cur.execute("SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'")
+            checks.append(f"{cur.fetchone()[0]}/{n} jobs succeeded")
+    return "; ".join(checks) or "broker drained"
 
 
-def run_variant(variant: str, n: int) -> dict[str, Any]:
+class Peer(Protocol):
+    """One variant's worker and producer, as ``run_variant`` drives them."""
+
+    worker_pid: int
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def publish(self, i: int) -> Any: ...
+    def wait_done(self, timeout: float) -> int:
+        """Wait until no task is queued or running; the PostgreSQL transactions spent polling."""
+        ...
+
+    def hold(self) -> None:
+        """From now on, ``fill`` queues tasks the running worker does not take."""
+        ...
+
+    def fill(self, n: int) -> int:
+        """Queue tasks 0..n-1 without their being consumed; how many are queued."""
+        ...
+
+    def release(self) -> float:
+        """Let the worker consume what ``fill`` queued; the ``perf_counter`` the drain starts at."""
+        ...
+
+
+class CeleryPeer:
+    """A Celery variant: one ``celery worker`` (prefork -c 2) consuming queue ``bench``."""
+
+    def __init__(self, variant: str, body: str) -> None:
+        self.variant = variant
+        self.publish = publisher(variant, body)
+        self.worker_pid = 0
+
+    def start(self) -> None:
+        self.proc, self.name = start_worker(self.variant)
+        self.worker_pid = self.proc.pid
+
+    def stop(self) -> None:
+        stop_worker(self.proc)
+
+    def wait_done(self, timeout: float) -> int:
+        wait_drained(timeout)
+        return 0  # polls Redis, not PostgreSQL
+
+    def hold(self) -> None:
+        from celery import current_app
+
+        current_app.control.cancel_consumer("bench", destination=[self.name], reply=True, timeout=5)
+
+    def fill(self, n: int) -> int:
+        for i in range(n):
+            self.publish(i)
+        return queue_length()
+
+    def release(self) -> float:
+        from celery import current_app
+
+        start = time.perf_counter()
+        current_app.control.add_consumer("bench", destination=[self.name], reply=True, timeout=5)
+        return start
+
+
+class ProcrastinatePeer:
+    """Procrastinate through its Django contrib: ``manage.py procrastinate worker --concurrency 2``
+    on queue ``bench``, jobs deferred from this process with ``job.defer(i=i)``."""
+
+    def __init__(self, body: str) -> None:
+        from bench.benchapp.jobs import JOBS
+
+        self.job = JOBS[body]
+        self.worker_pid = 0
+
+    def publish(self, i: int) -> Any:
+        return self.job.defer(i=i)
+
+    def start(self) -> None:
+        from django.db import connection
+
+        from bench.benchapp.jobs import QUEUE
+
+        with connection.cursor() as cur:
+            cur.execute("SELECT count(*) FROM procrastinate_workers WHERE last_heartbeat > now() - interval '60 s'")
+            if cur.fetchone()[0]:
+                raise RuntimeError("a live Procrastinate worker is registered on this database: it would take jobs")
+        self.proc = subprocess.Popen(
+            [sys.executable, "manage.py", "procrastinate", "worker", "--concurrency", "2", "--queues", QUEUE],
+            cwd=ROOT,
+            env={**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.worker_pid = self.proc.pid
+        # Ready once its listener has run LISTEN: a job deferred before that would wait for the
+        # worker's next poll (5 s) instead of being noticed at once.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with connection.cursor() as cur:
+                cur.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND query LIKE %s",
+                    [f'LISTEN "procrastinate_queue_v1#{QUEUE}"%'],
+                )
+                if cur.fetchone():
+                    return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"procrastinate worker exited with {self.proc.returncode}")
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("procrastinate worker did not listen within 60 s")
+
+    def stop(self) -> None:
+        stop_worker(self.proc)
+
+    def wait_done(self, timeout: float) -> int:
+        from django.db import connection
+
+        deadline = time.monotonic() + timeout
+        polls = 0
+        with connection.cursor() as cur:
+            while True:
+                cur.execute("SELECT EXISTS (SELECT 1 FROM procrastinate_jobs WHERE status IN ('todo', 'doing'))")
+                polls += 1
+                if not cur.fetchone()[0]:
+                    return polls
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"procrastinate jobs not finished within {timeout} s")
+                time.sleep(POLL_SECONDS)
+
+    def hold(self) -> None:
+        pass  # fill() defers into a queue the worker does not listen to
+
+    def fill(self, n: int) -> int:
+        from django.db import connection
+
+        from bench.benchapp.jobs import HOLD_QUEUE
+
+        deferrer = self.job.configure(queue=HOLD_QUEUE)
+        for i in range(n):
+            deferrer.defer(i=i)
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM procrastinate_jobs WHERE status = 'todo' AND queue_name = %s", [HOLD_QUEUE]
+            )
+            return int(cur.fetchone()[0])
+
+    def release(self) -> float:
+        from django.db import connection, transaction
+
+        from bench.benchapp.jobs import HOLD_QUEUE, QUEUE
+
+        with transaction.atomic(), connection.cursor() as cur:
+            cur.execute(
+                "UPDATE procrastinate_jobs SET queue_name = %s WHERE queue_name = %s AND status = 'todo'",
+                [QUEUE, HOLD_QUEUE],
+            )
+            # What procrastinate's insert trigger sends for a deferred job; the worker only reads
+            # the type and then fetches until the queue is empty.
+            cur.execute(
+                "SELECT pg_notify(%s, json_build_object('type', 'job_inserted', 'job_id', 0)::text)",
+                [f"procrastinate_queue_v1#{QUEUE}"],
+            )
+            start = time.perf_counter()  # the jobs become visible, and the worker is woken, at commit
+        return start
+
+
+def make_peer(variant: str, body: str) -> Peer:
+    if variant == "procrastinate":
+        return ProcrastinatePeer(body)
+    return CeleryPeer(variant, body)
+
+
+def run_variant(variant: str, n: int, body: str = "noop") -> dict[str, Any]:
     """End to end (publishing while the worker consumes), then drain-only (queue prefilled)."""
-    from celery import current_app
-
+    peer = make_peer(variant, body)
     reset_state()
-    worker, name = start_worker(variant)
+    peer.start()
     try:
-        publish = publisher(variant)
-        publish(-1)  # warm-up: imports, connections
-        wait_drained(60)
+        peer.publish(-1)  # warm-up: imports, connections
+        peer.wait_done(60)
         reset_state()
         tx_before = pg_transactions()
-        cpu_before = cpu_snapshot(worker.pid)
+        cpu_before = cpu_snapshot(peer.worker_pid)
         start = time.perf_counter()
         for i in range(n):
-            publish(i)
+            peer.publish(i)
         published = time.perf_counter()
-        wait_drained(600)
+        polls = peer.wait_done(600)
         end = time.perf_counter()
-        cpu = cpu_per_task(cpu_before, cpu_snapshot(worker.pid), n)
-        time.sleep(1.2)  # let PostgreSQL flush its statistics
-        tx = pg_transactions() - tx_before - 2
-        check = verify(variant, n)
+        cpu = cpu_per_task(cpu_before, cpu_snapshot(peer.worker_pid), n)
+        time.sleep(STATS_FLUSH_SECONDS)
+        tx = pg_transactions() - tx_before - 2 - polls
+        check = verify(variant, body, n)
 
-        # Drain-only: the worker stops consuming, the queue is filled, then consumption resumes.
+        # Drain-only: the worker does not take what is queued, the queue is filled, then it does.
         reset_state()
-        current_app.control.cancel_consumer("bench", destination=[name], reply=True, timeout=5)
-        for i in range(n):
-            publish(i)
-        queued = queue_length()
+        peer.hold()
+        queued = peer.fill(n)
         if queued != n:
-            raise RuntimeError(f"drain run invalid: {queued} of {n} messages queued before consuming resumed")
-        drain_start = time.perf_counter()
-        current_app.control.add_consumer("bench", destination=[name], reply=True, timeout=5)
-        wait_drained(600)
+            raise RuntimeError(f"drain run invalid: {queued} of {n} tasks queued before consuming resumed")
+        drain_start = peer.release()
+        peer.wait_done(600)
         drain_end = time.perf_counter()
+        drain_check = verify(variant, body, n)
     finally:
-        stop_worker(worker)
+        peer.stop()
     return {
         "variant": variant,
+        "body": body,
         "tasks": n,
         "seconds": round(end - start, 3),
         "tasks_per_second": round(n / (end - start), 1),
@@ -198,6 +423,7 @@ def run_variant(variant: str, n: int) -> dict[str, Any]:
         "pg_transactions_per_task": round(tx / n, 2),
         "cpu_us_per_task": cpu,
         "check": check,
+        "drain_check": drain_check,
     }
 
 
@@ -212,21 +438,40 @@ def _proc_stat(pid: int) -> tuple[str, int, int] | None:
     return name, int(rest[1]), int(rest[11]) + int(rest[12])
 
 
+def _other_database_backend(pid: int, database: str) -> bool:
+    """Whether a ``postgres`` process serves another database than the bench's (its process
+    title names a client, ``host(port)`` or ``[local]``, or is an autovacuum worker, and does
+    not name ``database``): on a shared server, other databases' load is not the benchmark's."""
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    words = title.split()
+    serves_a_database = "autovacuum worker" in title or any(w.endswith(")") or w == "[local]" for w in words)
+    return serves_a_database and database not in words
+
+
 def cpu_snapshot(worker_pid: int) -> dict[str, dict[int, int]]:
-    """CPU ticks per live process, grouped: this process (the producer), the worker (main and
-    pool processes), PostgreSQL (every server process) and Redis."""
+    """CPU ticks per live process, grouped: this process (the producer), the worker (its whole
+    process tree: Celery's main and pool processes, or Procrastinate's one process and its
+    threads), PostgreSQL (the server's own processes and the bench database's backends) and Redis."""
+    from django.conf import settings
+
+    database = settings.DATABASES["default"]["NAME"]
     stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None:
             stats[int(entry)] = stat
-    worker = {worker_pid} | {pid for pid, (_, ppid, _) in stats.items() if ppid == worker_pid}
+    worker = {worker_pid}
+    while grown := {pid for pid, (_, ppid, _) in stats.items() if ppid in worker} - worker:
+        worker |= grown
     groups: dict[str, dict[int, int]] = {"producer": {}, "worker": {}, "postgres": {}, "redis": {}}
     for pid, (name, _, ticks) in stats.items():
         if pid == os.getpid():
             groups["producer"][pid] = ticks
         elif pid in worker:
             groups["worker"][pid] = ticks
-        elif name == "postgres":
+        elif name == "postgres" and not _other_database_backend(pid, database):
             groups["postgres"][pid] = ticks
         elif name == "redis-server":
             groups["redis"][pid] = ticks
@@ -275,6 +520,13 @@ def statements_per_execution() -> dict[str, float]:
         for i in range(samples):
             current_app.backend.store_result(f"bench-{i}", i, "SUCCESS")
     counts["dcr_worker"] = len(dcr_q.captured_queries) / samples
+    # Procrastinate's defer goes through Django's connection (its worker's queries do not).
+    from bench.benchapp.jobs import JOBS
+
+    with CaptureQueriesContext(connection) as defer_q:
+        for i in range(samples):
+            JOBS["noop"].defer(i=i)
+    counts["procrastinate_defer"] = len(defer_q.captured_queries) / samples
     reset_state()
     return counts
 
@@ -283,30 +535,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=1, help="runs per variant (interleaved); the median is kept")
-    parser.add_argument("--variants", default="plain,dcr,once,ledger")
+    parser.add_argument("--variants", default="plain,dcr,once,ledger", help=f"any of {','.join(VARIANTS)}")
+    parser.add_argument("--body", choices=list(BODIES), default="noop", help="what each task does")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"unknown variants {unknown}; choose among {list(VARIANTS)}")
 
     ensure_database()
     import django
 
     django.setup()
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for round_no in range(args.repeat):
         for variant in variants:
-            result = run_variant(variant, args.tasks)
+            result = run_variant(variant, args.tasks, args.body)
             runs[variant].append(result)
             print(f"round {round_no + 1}: {json.dumps(result)}", flush=True)
 
     metrics = ("tasks_per_second", "drain_per_second", "publish_per_second", "pg_transactions_per_task")
-    best = {v: {**rs[-1], **{m: statistics.median(r[m] for r in rs) for m in metrics}} for v, rs in runs.items()}
+    best = {
+        v: {
+            **rs[-1],
+            **{m: statistics.median(r[m] for r in rs) for m in metrics},
+            "cpu_us_per_task": {
+                g: statistics.median(r["cpu_us_per_task"][g] for r in rs) for g in rs[-1]["cpu_us_per_task"]
+            },
+        }
+        for v, rs in runs.items()
+    }
     base = best.get("plain", {}).get("tasks_per_second")
     statements = statements_per_execution()
 
     print()
     print(
-        f"{args.tasks} no-op tasks per run, medians of {args.repeat}; Redis broker, prefork -c 2, acks_late, prefetch 1"
+        f"{args.tasks} tasks per run, body {args.body} ({BODY_DESCRIPTIONS[args.body]}), medians of {args.repeat}; "
+        "Celery: Redis broker, prefork -c 2, acks_late, prefetch 1; Procrastinate: one worker, concurrency 2"
     )
     drain_base = best.get("plain", {}).get("drain_per_second")
     print(f"{'variant':<64} {'e2e/s':>7} {'vs plain':>8} {'drain/s':>8} {'vs plain':>8} {'publish/s':>9} {'PG tx':>6}")
@@ -320,10 +585,18 @@ def main() -> None:
             f"{r['publish_per_second']:>9} {r['pg_transactions_per_task']:>6}   e2e runs [{spread}]; {r['check']}"
         )
     print()
+    groups = ("producer", "worker", "postgres", "redis")
+    print(f"CPU µs per task, end to end, medians ({args.body}):")
+    print(f"{'variant':<64} " + " ".join(f"{g:>9}" for g in groups) + f" {'total':>9}")
+    for v in variants:
+        cpu = best[v]["cpu_us_per_task"]
+        print(f"{VARIANTS[v]:<64} " + " ".join(f"{cpu[g]:>9}" for g in groups) + f" {round(sum(cpu.values()), 1):>9}")
+    print()
     print("SQL statements per execution (in-process count):", json.dumps(statements))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"runs": runs, "median": best, "statements": statements}, indent=2))
+        report = {"body": args.body, "tasks": args.tasks, "runs": runs, "median": best, "statements": statements}
+        args.json.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

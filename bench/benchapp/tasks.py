@@ -1,11 +1,19 @@
-"""The same no-op task four ways: plain Celery, with django-celery-results, celery-once, IdempotentTask."""
+"""The benchmark's Celery tasks: each body of ``bodies.py`` four ways (plain Celery, with
+django-celery-results, with celery-once, as an ``IdempotentTask``).
+
+Task names are ``bench.<variant>_<body>`` (``bench.plain_noop``, ``bench.ledger_write``, ...);
+the ``*_noop`` module attributes are kept for ``bench/submit_many.py`` and ``bench/beat.py``.
+"""
 
 from __future__ import annotations
 
-from celery import current_app, shared_task
+from typing import Any
+
+from celery import Task, current_app, shared_task
 from celery_once import QueueOnce
 from django.conf import settings
 
+from bench.benchapp.bodies import ATOMIC_BODIES, BODIES
 from taskplatform.tasks import IdempotentTask
 
 # celery-once reads its configuration from the app (not the CELERY_ namespace).
@@ -15,21 +23,32 @@ current_app.conf.ONCE = {
 }
 
 
-@shared_task(name="bench.plain_noop", ignore_result=True)
-def plain_noop(i: int) -> int:
-    return i
+def _register(body_name: str) -> dict[str, Task]:
+    """One task per variant running ``body_name``; keys are the variants' task families."""
+    body = BODIES[body_name]
+
+    def run(i: int) -> int:
+        return body(i)
+
+    def run_bound(self: Any, i: int) -> int:
+        return body(i)
+
+    return {
+        "plain": shared_task(name=f"bench.plain_{body_name}", ignore_result=True)(run),
+        "dcr": shared_task(name=f"bench.dcr_{body_name}", ignore_result=False)(run),
+        "once": shared_task(
+            name=f"bench.once_{body_name}", base=QueueOnce, once={"graceful": True}, ignore_result=True
+        )(run),
+        "ledger": shared_task(
+            name=f"bench.ledger_{body_name}", base=IdempotentTask, bind=True, atomic=body_name in ATOMIC_BODIES
+        )(run_bound),
+    }
 
 
-@shared_task(name="bench.dcr_noop", ignore_result=False)
-def dcr_noop(i: int) -> int:
-    return i
+#: TASKS[body][family]: the Celery task running ``body`` for that family of variants.
+TASKS: dict[str, dict[str, Task]] = {name: _register(name) for name in BODIES}
 
-
-@shared_task(name="bench.once_noop", base=QueueOnce, once={"graceful": True}, ignore_result=True)
-def once_noop(i: int) -> int:
-    return i
-
-
-@shared_task(name="bench.ledger_noop", base=IdempotentTask, bind=True)
-def ledger_noop(self: IdempotentTask, i: int) -> int:
-    return i
+plain_noop = TASKS["noop"]["plain"]
+dcr_noop = TASKS["noop"]["dcr"]
+once_noop = TASKS["noop"]["once"]
+ledger_noop = TASKS["noop"]["ledger"]

@@ -1,0 +1,50 @@
+"""The bodies a benchmark task can run, one function each, shared by every variant.
+
+``bench/run.py --body NAME`` picks one; every variant registers one task per body (the task
+name carries the body, ``bench.<variant>_<body>``), so a worker can only run the body the
+producer named in the message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+#: Length of the ``cpu1ms`` busy loop and of the ``io10ms`` sleep (seconds).
+CPU_SECONDS = 0.001
+IO_SECONDS = 0.01
+
+
+def noop(i: int) -> int:
+    """Nothing: what is measured is the queue's own cost per task."""
+    return i
+
+
+def cpu1ms(i: int) -> int:
+    """1 ms of pure-Python CPU (a busy loop, so it holds the GIL like real work would)."""
+    end = time.perf_counter() + CPU_SECONDS
+    while time.perf_counter() < end:
+        pass
+    return i
+
+
+def io10ms(i: int) -> int:
+    """10 ms waiting, as for a call to another service: the worker's concurrency is what counts."""
+    time.sleep(IO_SECONDS)
+    return i
+
+
+def write(i: int) -> int:
+    """One row into a table with no unique constraint: a second run of the same task would
+    show as a second row, so ``rows == tasks`` checks effectively-once execution."""
+    from bench.benchapp.models import BenchEffect
+
+    BenchEffect.objects.create(i=i)
+    return i
+
+
+BODIES: dict[str, Callable[[int], int]] = {"noop": noop, "cpu1ms": cpu1ms, "io10ms": io10ms, "write": write}
+
+#: Bodies that write to the database: the ledger variants run these with ``atomic = True``
+#: (the row and the success mark in one transaction), which is how a platform user would.
+ATOMIC_BODIES = frozenset({"write"})
