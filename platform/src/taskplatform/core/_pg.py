@@ -20,7 +20,8 @@ from datetime import datetime
 from functools import cache
 from typing import Any
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field, Model
 
 from ..models import Execution, ExecutionEvent
@@ -30,6 +31,12 @@ from .types import Delivery, NewExecution
 def enabled() -> bool:
     """True when the current connection is PostgreSQL (data-modifying CTEs, RETURNING)."""
     return connection.vendor == "postgresql"
+
+
+def _db() -> BaseDatabaseWrapper:
+    """This thread's connection itself: every attribute read through the ``connection``
+    proxy costs a context-local lookup, and the hot paths read dozens (one per column)."""
+    return connections[DEFAULT_DB_ALIAS]
 
 
 def _q(name: str) -> str:
@@ -52,15 +59,16 @@ def _run(sql: str, params: Sequence[Any] | dict[str, Any]) -> list[tuple[Any, ..
     """
     import psycopg  # only when the connection is PostgreSQL: the driver is an optional extra
 
-    if connection.queries_logged or connection.execute_wrappers:
-        with connection.cursor() as cursor:
+    db = _db()
+    if db.queries_logged or db.execute_wrappers:
+        with db.cursor() as cursor:
             cursor.execute(sql, params)
             return cursor.fetchall()
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    with connection.wrap_database_errors:
-        connection.validate_thread_sharing()
-        with psycopg.Cursor(connection.connection) as cursor:
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    with db.wrap_database_errors:
+        db.validate_thread_sharing()
+        with psycopg.Cursor(db.connection) as cursor:
             cursor.execute(sql, params)
             return cursor.fetchall()
 
@@ -77,7 +85,7 @@ def _loaded(row: Sequence[Any], **values: Any) -> Execution:
     names = _attnames()
     if values:
         row = [values.get(name, value) for name, value in zip(names, row, strict=True)]
-    return Execution.from_db(connection.alias, names, row)
+    return Execution.from_db(DEFAULT_DB_ALIAS, names, row)
 
 
 @cache
@@ -107,10 +115,11 @@ def insert(execution: Execution, now: datetime) -> bool:
     """
     execution.created_at = execution.updated_at = now
     sql, fields = _insert_sql()
+    db = _db()
     values: list[Any] = []
     for f in fields:
         if f.attname != "due_at":
-            values.append(f.get_db_prep_save(getattr(execution, f.attname), connection))
+            values.append(f.get_db_prep_save(getattr(execution, f.attname), db))
         elif execution.due_at is None or execution.due_at == execution.scheduled_for:
             values += [execution.due_at, None]
         else:
@@ -120,7 +129,7 @@ def insert(execution: Execution, now: datetime) -> bool:
         return False
     execution.pk, execution.due_at = rows[0]
     execution._state.adding = False
-    execution._state.db = connection.alias
+    execution._state.db = DEFAULT_DB_ALIAS
     return True
 
 
@@ -324,7 +333,7 @@ def create_claimed(execution: Execution, *, lease_seconds: int) -> Execution | N
     that another call holds): the portable claim decides then.
     """
     sql, fields = _create_claimed_sql()
-    db = connection
+    db = _db()
     values = [
         lease_seconds if f.attname == "lease_expires_at" else f.get_db_prep_save(getattr(execution, f.attname), db)
         for f in fields
