@@ -531,26 +531,12 @@ def statements_per_execution() -> dict[str, float]:
     return counts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", type=int, default=20_000)
-    parser.add_argument("--repeat", type=int, default=1, help="runs per variant (interleaved); the median is kept")
-    parser.add_argument("--variants", default="plain,dcr,once,ledger", help=f"any of {','.join(VARIANTS)}")
-    parser.add_argument("--body", choices=list(BODIES), default="noop", help="what each task does")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args()
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if unknown := [v for v in variants if v not in VARIANTS]:
-        parser.error(f"unknown variants {unknown}; choose among {list(VARIANTS)}")
-
-    ensure_database()
-    import django
-
-    django.setup()
+def measure(body: str, variants: list[str], tasks: int, repeat: int) -> dict[str, Any]:
+    """Every variant with one body, ``repeat`` interleaved rounds; medians and the table."""
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-    for round_no in range(args.repeat):
+    for round_no in range(repeat):
         for variant in variants:
-            result = run_variant(variant, args.tasks, args.body)
+            result = run_variant(variant, tasks, body)
             runs[variant].append(result)
             print(f"round {round_no + 1}: {json.dumps(result)}", flush=True)
 
@@ -566,37 +552,77 @@ def main() -> None:
         for v, rs in runs.items()
     }
     base = best.get("plain", {}).get("tasks_per_second")
-    statements = statements_per_execution()
+    drain_base = best.get("plain", {}).get("drain_per_second")
+    for r in best.values():
+        r["ratio"] = round(r["tasks_per_second"] / base, 2) if base else None
+        r["drain_ratio"] = round(r["drain_per_second"] / drain_base, 2) if drain_base else None
 
     print()
     print(
-        f"{args.tasks} tasks per run, body {args.body} ({BODY_DESCRIPTIONS[args.body]}), medians of {args.repeat}; "
+        f"{tasks} tasks per run, body {body} ({BODY_DESCRIPTIONS[body]}), medians of {repeat}; "
         "Celery: Redis broker, prefork -c 2, acks_late, prefetch 1; Procrastinate: one worker, concurrency 2"
     )
-    drain_base = best.get("plain", {}).get("drain_per_second")
     print(f"{'variant':<64} {'e2e/s':>7} {'vs plain':>8} {'drain/s':>8} {'vs plain':>8} {'publish/s':>9} {'PG tx':>6}")
     for v in variants:
         r = best[v]
-        ratio = f"{r['tasks_per_second'] / base:.2f}" if base else "-"
-        drain_ratio = f"{r['drain_per_second'] / drain_base:.2f}" if drain_base else "-"
         spread = ", ".join(str(x["tasks_per_second"]) for x in runs[v])
         print(
-            f"{VARIANTS[v]:<64} {r['tasks_per_second']:>7} {ratio:>8} {r['drain_per_second']:>8} {drain_ratio:>8} "
-            f"{r['publish_per_second']:>9} {r['pg_transactions_per_task']:>6}   e2e runs [{spread}]; {r['check']}"
+            f"{VARIANTS[v]:<64} {r['tasks_per_second']:>7} {r['ratio'] or '-':>8} {r['drain_per_second']:>8} "
+            f"{r['drain_ratio'] or '-':>8} {r['publish_per_second']:>9} {r['pg_transactions_per_task']:>6}   "
+            f"e2e runs [{spread}]; {r['check']}"
         )
     print()
     groups = ("producer", "worker", "postgres", "redis")
-    print(f"CPU µs per task, end to end, medians ({args.body}):")
+    print(f"CPU µs per task, end to end, medians ({body}):")
     print(f"{'variant':<64} " + " ".join(f"{g:>9}" for g in groups) + f" {'total':>9}")
     for v in variants:
         cpu = best[v]["cpu_us_per_task"]
         print(f"{VARIANTS[v]:<64} " + " ".join(f"{cpu[g]:>9}" for g in groups) + f" {round(sum(cpu.values()), 1):>9}")
-    print()
+    print(flush=True)
+    return {"body": body, "tasks": tasks, "runs": runs, "median": best}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", type=int, default=20_000)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per variant (interleaved); the median is kept")
+    parser.add_argument("--variants", default="plain,dcr,once,ledger", help=f"any of {','.join(VARIANTS)}")
+    parser.add_argument(
+        "--body", "--bodies", dest="bodies", default="noop",
+        help=f"what each task does, one or more of {','.join(BODIES)}; the first runs every variant",
+    )  # fmt: skip
+    parser.add_argument(
+        "--body-variants", default="", help="the variants for the bodies after the first (default: --variants)"
+    )
+    parser.add_argument("--body-tasks", type=int, help="tasks a run for the bodies after the first (default: --tasks)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    body_variants = [v.strip() for v in args.body_variants.split(",") if v.strip()] or variants
+    bodies = [b.strip() for b in args.bodies.split(",") if b.strip()]
+    if unknown := [v for v in variants + body_variants if v not in VARIANTS]:
+        parser.error(f"unknown variants {unknown}; choose among {list(VARIANTS)}")
+    if unknown := [b for b in bodies if b not in BODIES]:
+        parser.error(f"unknown bodies {unknown}; choose among {list(BODIES)}")
+
+    ensure_database()
+    import django
+
+    django.setup()
+    results = [measure(bodies[0], variants, args.tasks, args.repeat)]
+    for body in bodies[1:]:
+        results.append(measure(body, body_variants, args.body_tasks or args.tasks, args.repeat))
+    statements = statements_per_execution()
+    if len(results) > 1:
+        print("ratio to plain Celery, end to end (drain), by body:")
+        for result in results:
+            cells = [f"{v} {r['ratio']} ({r['drain_ratio']})" for v, r in result["median"].items() if v != "plain"]
+            print(f"  {result['body']:<8} " + "; ".join(cells))
+        print()
     print("SQL statements per execution (in-process count):", json.dumps(statements))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        report = {"body": args.body, "tasks": args.tasks, "runs": runs, "median": best, "statements": statements}
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(json.dumps({"bodies": results, "statements": statements}, indent=2))
 
 
 if __name__ == "__main__":
