@@ -63,9 +63,13 @@ lint: $(VENV)/.installed-test
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
 
-## make bench: plain Celery vs django-celery-results vs celery-once vs IdempotentTask
+## make bench: IdempotentTask (submit() and .delay()) vs plain Celery, django-celery-results, celery-once and
+## Procrastinate, four bodies, medians of 3 interleaved rounds; then batch submission (docs/benchmarks.md)
+BENCH_ARGS ?= --tasks 4000 --repeat 3 --variants plain,dcr,once,ledger,ledger_delay,procrastinate \
+	--bodies noop,cpu1ms,io10ms,write --body-variants plain,ledger,ledger_delay,procrastinate --body-tasks 1500
 bench: $(VENV)/.installed-bench
-	$(BIN)/python bench/run.py $(BENCH_ARGS)
+	$(BIN)/python bench/run.py $(BENCH_ARGS) --json var/bench/run.json
+	$(BIN)/python bench/submit_many.py --n 10000 --loop-n 2000 --rounds 3
 
 ## make bench-beat: DatabaseScheduler vs celery-redbeat vs LockedScheduler (tick cost, lateness, failover)
 bench-beat: $(VENV)/.installed-bench
