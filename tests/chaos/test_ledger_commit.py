@@ -354,7 +354,7 @@ def test_an_in_doubt_create_and_claim_of_a_plain_call_is_recognised_as_the_deliv
     message = effect.delay()
     fired(poll, cut, worker, pg_proxy)
     if when == "after":
-        assert cut.server_reply[:1] == ["C:SELECT 1"], f"the create-and-claim committed: {cut.server_reply}"
+        assert cut.server_reply == ["C:SELECT 1", "Z:I"], f"the create-and-claim committed: {cut.server_reply}"
     execution = settle(
         poll, lambda: Execution.objects.filter(idempotency_key=message.id, state="SUCCEEDED").first(),
         proxy=pg_proxy, worker=worker, what="the plain call's success",

@@ -52,10 +52,28 @@ def test_pool_child_killed_mid_body_completes_exactly_once(workers, poll, open_g
     assert Effect.objects.get(key=execution.idempotency_key).fencing_token == 2
 
 
+def start_effect(how: str, gate: str, poll) -> Execution:
+    """``testapp.effect`` through ``submit()`` (the row first) or a plain ``.delay()`` (the
+    worker creates the row already claimed); its execution once it exists."""
+    if how == "submit":
+        return submit("testapp.effect", kwargs={"gate": gate})
+    from tests.testapp.tasks import effect
+
+    message = effect.delay(gate=gate)
+    return poll(lambda: Execution.objects.filter(idempotency_key=message.id).first(), timeout=30, what="the row")
+
+
 @pytest.mark.scenario(2)
-def test_worker_main_process_killed_is_rescued_after_its_lease_and_completes_once(workers, poll, open_gate, figures):
+@pytest.mark.parametrize("how", ["submit", "delay"])
+def test_worker_main_process_killed_is_rescued_after_its_lease_and_completes_once(
+    workers, poll, open_gate, figures, how
+):
+    """The worker's main process is SIGKILLed while a body runs: its pool children die with it,
+    the message stays unacknowledged in Redis (an hour), and the rescuer takes the attempt
+    back when its lease runs out. Also for a plain ``.delay()``, whose row the worker created
+    already claimed: a running row with an expired lease is rescued like any other."""
     worker = workers.start(concurrency=2)
-    execution = submit("testapp.effect", kwargs={"gate": "main"})
+    execution = start_effect(how, "main", poll)
     pid = running_pid(execution.idempotency_key, poll)
     children = worker.pool_children()
     assert pid in {c.pid for c in children}

@@ -50,6 +50,31 @@ def _q(name: str) -> str:
     return connection.ops.quote_name(name)
 
 
+def _raw_cursor_allowed(db: BaseDatabaseWrapper) -> bool:
+    """Whether ``_run`` may go around Django's cursor on this connection.
+
+    Only on psycopg 3 (with psycopg2, Django's cursor), only on Django's own PostgreSQL
+    backend (a subclass may do its work in ``_cursor`` or ``create_cursor``: a schema per
+    tenant, query metrics), and only when nothing watches the queries (``DEBUG``'s query log,
+    ``CaptureQueriesContext``, execute wrappers) and the connection's time-zone loader is the
+    one Django would use (``create_cursor`` registers another per cursor otherwise).
+    """
+    from django.db.backends.base.base import BaseDatabaseWrapper as Base
+    from django.db.backends.postgresql import base as postgresql
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+    if not is_psycopg3 or db.queries_logged or db.execute_wrappers:
+        return False
+    kind = type(db)
+    own_cursor = getattr(kind, "_cursor", None) is getattr(Base, "_cursor", None)
+    if kind.create_cursor is not postgresql.DatabaseWrapper.create_cursor or not own_cursor:
+        return False
+    from psycopg.pq import Format
+
+    loader = db.connection.adapters.get_loader(postgresql.TIMESTAMPTZ_OID, Format.TEXT)
+    return getattr(loader, "timezone", None) == db.timezone
+
+
 def _run(sql: str, params: Sequence[Any] | dict[str, Any]) -> list[tuple[Any, ...]]:
     """Execute one of the hot statements and return its rows.
 
@@ -57,26 +82,30 @@ def _run(sql: str, params: Sequence[Any] | dict[str, Any]) -> list[tuple[Any, ..
     which interpolates every parameter into the statement's text in Python (Django's
     default, for connection poolers): measured on the worker's claim and success, 350 µs of
     the 590 µs of CPU the ledger added per task went into that and into the cursor wrapper.
-    The statement is prepared once per connection where the connection allows it (Django's
-    ``prepare_threshold`` option; off by default, again for poolers).
+    Never prepared (``prepare=False``), as Django's own statements are not: a prepared
+    statement breaks behind a transaction-pooling PgBouncer and, after a migration that
+    changes a returned column, fails with "cached plan must not change result type".
 
-    Django's cursor is kept whenever something watches the queries (``DEBUG``'s query log,
-    ``CaptureQueriesContext``, execute wrappers); errors are Django's either way
-    (``wrap_database_errors``), so callers catch ``OperationalError`` as before.
+    It does what Django's cursor does first: the health check, the connection, the thread
+    check and the broken-transaction check (a statement in an atomic block marked for
+    rollback must fail, not succeed and then vanish with the rollback). Errors are Django's
+    (``wrap_database_errors``), so callers catch ``OperationalError`` as before. Where the
+    raw cursor is not allowed (``_raw_cursor_allowed``), Django's cursor runs the statement.
     """
-    import psycopg  # only when the connection is PostgreSQL: the driver is an optional extra
-
     db = _db()
-    if db.queries_logged or db.execute_wrappers:
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    if not _raw_cursor_allowed(db):
         with db.cursor() as cursor:
             cursor.execute(sql, params)
             return cursor.fetchall()
-    db.close_if_health_check_failed()
-    db.ensure_connection()
+    import psycopg  # psycopg 3 is installed (``_raw_cursor_allowed``)
+
+    db.validate_no_broken_transaction()
     with db.wrap_database_errors:
         db.validate_thread_sharing()
         with psycopg.Cursor(db.connection) as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(sql, params, prepare=False)
             return cursor.fetchall()
 
 

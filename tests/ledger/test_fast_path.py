@@ -1,0 +1,182 @@
+"""The PostgreSQL fast path (``core/_pg.py``) keeps the portable path's semantics.
+
+Found in review of the hot-path work: the fast path runs its statements on psycopg's own
+cursor, so it must repeat what Django's cursor checks (a transaction marked for rollback), fall
+back to Django's cursor where it may not go around it (psycopg2, an engine that overrides its
+cursors, a query log), and write the same row a plain call's portable create-and-claim wrote.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.db.transaction import TransactionManagementError
+from django.utils import timezone
+
+from taskplatform.core import _pg, ledger
+from taskplatform.domain.states import State
+from taskplatform.models import EventKind, Execution, ExecutionEvent, Trigger
+from tests.ledger.test_ledger import claim, new
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def spec(key: str) -> ledger.NewExecution:
+    return ledger.NewExecution(
+        idempotency_key=key, task_name="testapp.effect", args=[1, "a"], kwargs={"b": [2]}, trigger=Trigger.CELERY,
+        queue="celery", celery_task_id="t-1", publish_count=1,
+    )  # fmt: skip
+
+
+def pg_only() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("the fast path exists on PostgreSQL only")
+
+
+@pytest.mark.portable
+def test_a_success_inside_a_transaction_marked_for_rollback_is_refused_not_lost() -> None:
+    """An atomic body that marked its transaction for rollback (``set_rollback``, or an inner
+    block that failed and was caught): the success mark must raise, as Django's cursor does,
+    not report success and then vanish with the rollback (the attempt would look done to the
+    worker while the row stays running)."""
+    execution = new("broken-tx")
+    token = claim(execution).token
+    with transaction.atomic():
+        transaction.set_rollback(True)
+        with pytest.raises(TransactionManagementError):
+            ledger.succeed(ledger.get(execution.pk), token, 1, worker="node-a:1", data={})
+        with pytest.raises(TransactionManagementError):
+            ledger.create(ledger.NewExecution("broken-tx-2", "testapp.effect", [], {}))
+    assert Execution.objects.get(pk=execution.pk).state == State.RUNNING
+    assert not Execution.objects.filter(idempotency_key="broken-tx-2").exists()
+
+
+def test_a_plain_calls_create_and_claim_writes_the_row_the_portable_path_wrote() -> None:
+    """``create_claimed`` (one statement) against ``ensure`` + ``claim`` (the portable path):
+    the same row, field by field, and the same claim event; the lease is the database's clock."""
+    pg_only()
+    mark = timezone.now()
+    fast = ledger.create_claimed(
+        spec("fast"), worker="node-a:1", celery_task_id="t-1", lease_seconds=60, started_at=mark
+    )
+    assert fast is not None
+    portable = ledger.claim(
+        ledger.ensure(spec("portable")), worker="node-a:1", celery_task_id="t-1", lease_seconds=60, max_attempts=3,
+        started_at=mark,
+    )  # fmt: skip
+    a, b = Execution.objects.get(idempotency_key="fast"), Execution.objects.get(idempotency_key="portable")
+    same = ("task_name", "args", "kwargs", "queue", "priority", "trigger", "state", "attempts", "fencing_token",
+            "max_attempts", "worker", "celery_task_id", "scheduled_for", "due_at", "publish_count", "started_at",
+            "finished_at", "result", "last_error", "job_id")  # fmt: skip
+    assert {f: getattr(a, f) for f in same} == {f: getattr(b, f) for f in same}
+    assert a.state == State.RUNNING and a.due_at is None and a.started_at == mark
+    assert a.lease_expires_at is not None and b.lease_expires_at is not None
+    assert abs((a.lease_expires_at - b.lease_expires_at).total_seconds()) < 5
+    # What the worker holds is what was stored.
+    held = fast.execution
+    assert {f: getattr(held, f) for f in same} == {f: getattr(a, f) for f in same}
+    assert held.pk == a.pk and held.lease_expires_at == a.lease_expires_at and not held._state.adding
+    assert portable.outcome == "claimed"
+    events = [ExecutionEvent.objects.get(execution_id=e.pk, kind=EventKind.CLAIMED) for e in (a, b)]
+    shape = [(e.from_state, e.to_state, e.attempt, e.fencing_token, e.actor, e.data) for e in events]
+    assert shape[0] == shape[1]
+    assert events[0].at == mark
+
+
+def test_a_plain_calls_lease_is_the_database_clock_not_the_workers() -> None:
+    """A worker whose clock is an hour ahead writes the start mark it was given, but the lease
+    comes from the database's clock."""
+    pg_only()
+    ahead = timezone.now() + timedelta(hours=1)
+    created = ledger.create_claimed(
+        spec("skewed"), worker="node-a:1", celery_task_id="t-1", lease_seconds=60, started_at=ahead
+    )
+    assert created is not None
+    lease = Execution.objects.get(idempotency_key="skewed").lease_expires_at
+    assert lease is not None
+    assert abs((lease - timezone.now()).total_seconds() - 60) < 10, lease
+
+
+def _claim_and_succeed(key: str) -> Execution:
+    created = ledger.create_claimed(
+        spec(key), worker="node-a:1", celery_task_id="t-1", lease_seconds=60, started_at=timezone.now()
+    )
+    assert created is not None
+    ledger.succeed(created.execution, created.token, {"ok": key}, worker="node-a:1", data={})
+    execution = new(f"{key}-submitted")
+    claimed = ledger.claim_message(
+        ledger.Delivery(execution.pk, "testapp.effect", [], {}, "node-a:1", "t-2"),
+        default_lease_seconds=60, lease_seconds_for=lambda job: 60, max_attempts_for=lambda job: 3,
+    )  # fmt: skip
+    assert claimed is not None and claimed.outcome == "claimed"
+    ledger.succeed(claimed.execution, claimed.token, None, worker="node-a:1", data={})
+    return Execution.objects.get(idempotency_key=key)
+
+
+def test_the_fast_path_falls_back_to_djangos_cursor_without_psycopg_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployment on psycopg2 (Django still supports it): the fast path's statements go
+    through Django's cursor, and a plain call is created, claimed and recorded as on psycopg 3."""
+    pg_only()
+    from django.db.backends.postgresql import psycopg_any
+
+    monkeypatch.setattr(psycopg_any, "is_psycopg3", False)
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # ``import psycopg`` would fail
+    row = _claim_and_succeed("no-psycopg3")
+    assert (row.state, row.result) == (State.SUCCEEDED, {"ok": "no-psycopg3"})
+
+
+def test_the_fast_path_uses_djangos_cursor_when_queries_are_watched() -> None:
+    """Execute wrappers (and the DEBUG query log) see the hot statements: they run on Django's
+    cursor then, with the same results."""
+    pg_only()
+    seen: list[str] = []
+
+    def watch(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(watch):
+        row = _claim_and_succeed("watched")
+    assert (row.state, row.result) == (State.SUCCEEDED, {"ok": "watched"})
+    assert any("INSERT INTO" in sql and "AS e" in sql for sql in seen), "the create-and-claim went unseen"
+    assert any("SET state = 'SUCCEEDED'" in sql for sql in seen), "the success mark went unseen"
+
+
+def test_an_engine_that_overrides_its_cursors_sees_the_hot_statements(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend subclass that does its work in ``create_cursor`` (a schema per tenant, query
+    metrics): the fast path does not go around it."""
+    pg_only()
+    from django.db import connections
+
+    opened: list[int] = []
+    wrapper = connections["default"]
+    base = type(wrapper)
+
+    class Engine(base):  # type: ignore[valid-type, misc]
+        def create_cursor(self, name: Any = None) -> Any:
+            opened.append(1)
+            return super().create_cursor(name)
+
+    monkeypatch.setattr(wrapper, "__class__", Engine)
+    row = _claim_and_succeed("engine")
+    assert row.state == State.SUCCEEDED
+    assert len(opened) >= 4, "the engine's cursor did not run the hot statements"
+
+
+def test_the_fast_paths_rows_are_the_stored_rows() -> None:
+    """The claim builds the worker's ``Execution`` from the statement's ``RETURNING``: every
+    field equals what a fresh read of the row gives (JSON fields from the message)."""
+    pg_only()
+    execution = ledger.create(spec("loaded"))[0]
+    claimed = _pg.claim_first_attempt(
+        ledger.Delivery(execution.pk, "testapp.effect", [1, "a"], {"b": [2]}, "node-a:1", "t-9"),
+        default_lease_seconds=60, now=timezone.now(),
+    )  # fmt: skip
+    assert claimed is not None
+    held, stored = claimed[0], Execution.objects.get(pk=execution.pk)
+    for field in Execution._meta.concrete_fields:
+        assert getattr(held, field.attname) == getattr(stored, field.attname), field.attname
