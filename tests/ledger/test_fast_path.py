@@ -180,3 +180,27 @@ def test_the_fast_paths_rows_are_the_stored_rows() -> None:
     held, stored = claimed[0], Execution.objects.get(pk=execution.pk)
     for field in Execution._meta.concrete_fields:
         assert getattr(held, field.attname) == getattr(stored, field.attname), field.attname
+
+
+@pytest.mark.parametrize(
+    ("header", "lease"),
+    [(7, 7), (None, 6), ("7", 6), (-5, 6), (10**9, 6), (True, 6)],
+    ids=["the-jobs", "none", "a-string", "negative", "absurd", "a-boolean"],
+)
+def test_a_first_claim_takes_the_jobs_lease_from_the_message_when_it_is_sane(header: Any, lease: int) -> None:
+    """The publisher puts the job's lease in the message (``tp_lease``) so that the first claim
+    does not read the job definition; a message from elsewhere may carry anything there, and
+    then the task's own lease applies (6 s in the test settings)."""
+    from taskplatform.conf import platform_settings
+    from taskplatform.core.publisher import HEADER_EXECUTION, HEADER_LEASE
+    from tests.testapp.tasks import effect
+
+    assert platform_settings().lease_seconds == 6
+    execution = ledger.create(ledger.NewExecution(f"lease-{header!r}", "testapp.effect", [], {}))[0]
+    headers = {HEADER_EXECUTION: execution.pk}
+    if header is not None:
+        headers[HEADER_LEASE] = header
+    effect.apply(task_id=f"t-{execution.pk}", headers=headers)
+    claimed = ExecutionEvent.objects.get(execution_id=execution.pk, kind=EventKind.CLAIMED)
+    assert claimed.data["lease_seconds"] == lease
+    assert Execution.objects.get(pk=execution.pk).state == State.SUCCEEDED

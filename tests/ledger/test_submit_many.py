@@ -364,7 +364,13 @@ def test_a_batch_publishes_the_message_publish_would_send(broker, sent_events, m
 
     monkeypatch.setitem(current_app.conf, "task_send_sent_event", sent_events)
     job = JobDefinition.objects.create(
-        slug="limits", task=EFFECT, queue=broker.name, priority=3, soft_time_limit_seconds=5, time_limit_seconds=9
+        slug="limits",
+        task=EFFECT,
+        queue=broker.name,
+        priority=3,
+        soft_time_limit_seconds=5,
+        time_limit_seconds=9,
+        lease_seconds=7,
     )
     execution = submit(job, args=[1, "two"], kwargs={"seconds": 0.5}, on_commit=False)
     broker.clear()
@@ -387,6 +393,7 @@ def test_a_batch_publishes_the_message_publish_would_send(broker, sent_events, m
     one, other = broker.messages()
     assert _decoded(one) == _decoded(other)
     assert one["headers"]["tp_key"] == execution.idempotency_key and one["headers"]["timelimit"] == [9, 5]
+    assert one["headers"]["tp_lease"] == 7  # the job's lease, for the first claim (``HEADER_LEASE``)
     assert one["properties"]["priority"] == 3
     assert len(signalled) == 2 and json.dumps(signalled[0], default=str) == json.dumps(signalled[1], default=str)
 

@@ -28,6 +28,9 @@ log = logging.getLogger("taskplatform.publisher")
 #: Message headers that point a worker at its ledger row.
 HEADER_EXECUTION = "tp_execution"
 HEADER_KEY = "tp_key"
+#: The job definition's lease in seconds, when it sets one: the first claim takes it from the
+#: message rather than reading the job in its statement (see ``core/_pg.py``).
+HEADER_LEASE = "tp_lease"
 
 
 def new_task_id() -> str:
@@ -61,6 +64,8 @@ def message_options(execution: Execution, *, task_id: str, countdown: float | No
         options["countdown"] = countdown
     job = execution.job
     if job is not None:
+        if job.lease_seconds:
+            options["headers"][HEADER_LEASE] = job.lease_seconds
         if job.soft_time_limit_seconds:
             options["soft_time_limit"] = job.soft_time_limit_seconds
         if job.time_limit_seconds:
@@ -174,6 +179,7 @@ class _BatchSender:
         options = message_options(execution, task_id="", countdown=None)
         if app.conf.task_protocol != 2 or not options.get("ignore_result"):
             return None
+        lease = options["headers"].get(HEADER_LEASE)
         for per_message in _PER_MESSAGE:
             del options[per_message]
         task = app.tasks.get(name)
@@ -207,8 +213,8 @@ class _BatchSender:
             routed = self.amqp.router.route(dict(options), name, None, None, task)
             queue = routed.get("queue")
             fixed_queue = isinstance(queue, Queue) and not isinstance(queue, Broadcast)
-            return _Prototype(message, options, routed, task, fixed_queue=fixed_queue)
-        return _Prototype(message, options, routed, task, fixed_queue=False)
+            return _Prototype(message, options, routed, task, fixed_queue=fixed_queue, lease=lease)
+        return _Prototype(message, options, routed, task, fixed_queue=False, lease=lease)
 
     def _send(self, prototype: _Prototype, execution: Execution, task_id: str) -> None:
         from celery.utils.saferepr import saferepr
@@ -223,6 +229,8 @@ class _BatchSender:
         headers.update(id=task_id, root_id=root_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr)
         headers[HEADER_EXECUTION] = execution.pk
         headers[HEADER_KEY] = execution.idempotency_key
+        if prototype.lease is not None:
+            headers[HEADER_LEASE] = prototype.lease
         properties = dict(properties0)
         properties["correlation_id"] = task_id
         event = None
@@ -283,6 +291,7 @@ class _Prototype:
     routed: dict[str, Any] | None  # the routed options, when they do not depend on arguments
     task: Any
     fixed_queue: bool  # one declarable queue for every message: declared with the first one
+    lease: int | None = None  # the job's lease (``HEADER_LEASE``), the same for the shape
 
 
 def publish_many(entries: Sequence[tuple[Execution, str, float | None]]) -> bool:

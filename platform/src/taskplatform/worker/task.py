@@ -35,7 +35,7 @@ from django.utils import timezone
 from ..conf import platform_settings
 from ..core import ledger
 from ..core.leases import Watch, lease_keeper
-from ..core.publisher import HEADER_EXECUTION
+from ..core.publisher import HEADER_EXECUTION, HEADER_LEASE
 from ..core.submission import submit
 from ..core.types import Claim, Delivery, NewExecution
 from ..core.validation import encode_result, is_idempotent
@@ -133,6 +133,19 @@ def _record_while_leased(fn: Any, watch: Watch) -> Any:
             log.warning("the ledger is unreachable; retrying to record the success: %s", exc, exc_info=first)
         time.sleep(pause)  # an outage must not spin the pool process
         pause = RECORD_RETRY_SECONDS
+
+
+#: The longest lease a message may ask for (``HEADER_LEASE``): a week.
+MAX_HEADER_LEASE_SECONDS = 7 * 24 * 3600
+
+
+def _header_lease(headers: dict[str, Any]) -> int | None:
+    """The job's lease the publisher put in the message, if it is a sane number of seconds
+    (a message from elsewhere may carry anything: then the task's own lease applies)."""
+    value = headers.get(HEADER_LEASE)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_HEADER_LEASE_SECONDS:
+        return value
+    return None
 
 
 def _ledger_replaceable(app: Any, sig: Any) -> bool:
@@ -266,7 +279,7 @@ class IdempotentTask(Task):
             delivery = Delivery(int(execution_id), self.name, list(args), dict(kwargs), worker, request.id)
             claim = ledger.claim_message(
                 delivery,
-                default_lease_seconds=self.lease_for(None),
+                default_lease_seconds=_header_lease(headers) or self.lease_for(None),
                 lease_seconds_for=self.lease_for,
                 max_attempts_for=lambda job: self.retry_policy(job).max_attempts,
                 owner_alive=owner_alive,
