@@ -135,7 +135,7 @@ def empty_broker() -> None:
 
 
 @pytest.mark.scenario(19)
-@pytest.mark.parametrize("lock", ["db", "redis"])
+@pytest.mark.parametrize("lock", ["db", pytest.param("redis", marks=pytest.mark.slow)])  # a minute each: one in CI
 def test_three_beats_publish_every_slot_exactly_once_for_a_minute(
     beats: BeatFactory, workers: Any, private_redis: RedisServer, lock: str, figures: Any
 ) -> None:
@@ -375,6 +375,7 @@ def test_database_lock_server_lost_leader_steps_down_and_service_resumes(
 
 
 @pytest.mark.scenario(30)
+@pytest.mark.slow  # 20 s: in make chaos
 def test_misfire_policies_after_the_only_beat_was_down(beats: BeatFactory, empty_broker: None, figures: Any) -> None:
     """One beat runs three 1-second jobs, stops for 14 s, restarts (grace 4 s, catch-up window 6 s)."""
     env = {

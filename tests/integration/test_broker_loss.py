@@ -44,6 +44,7 @@ def test_flushall_with_executions_queued_then_the_rescuer_republishes_every_one(
 
 
 @pytest.mark.scenario(8)
+@pytest.mark.slow  # 33 s: in make chaos
 @override_settings(TASKPLATFORM_REPUBLISH_AFTER_SECONDS=1)
 def test_broker_down_at_submit_records_the_row_and_the_rescuer_publishes_it_later(
     private_redis, use_broker, workers, poll, figures
