@@ -54,6 +54,9 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=4000)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument(
+        "--on-cpu", action="store_true", help="sample running threads only (default: waiting ones too, py-spy --idle)"
+    )
     args = parser.parse_args()
 
     import django
@@ -77,8 +80,9 @@ def main() -> None:
         out = Path(tempfile.mkdtemp()) / "profile.txt"
         print(f"py-spy output: {out}")
         spy = subprocess.Popen(
-            ["py-spy", "record", "--pid", str(worker.pid), "--subprocesses", "--idle", "--rate", str(args.rate),
-             "--format", "raw", "--output", str(out), "--nonblocking"],
+            [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(worker.pid), "--subprocesses",
+             "--rate", str(args.rate), "--format", "raw", "--output", str(out), "--nonblocking",
+             *([] if args.on_cpu else ["--idle"])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         time.sleep(1.0)  # py-spy attaches; not synchronisation of the system under test
@@ -131,7 +135,7 @@ def report(out: Path, variant: str, tasks: int, seconds: float, top: int) -> Non
         own[frames[-1]] += n
     pool_samples = roles["pool process"] or 1
     print(f"{variant}: {tasks} tasks drained in {seconds:.2f} s ({tasks / seconds:.0f}/s)")
-    print("\nsamples by process role (py-spy --idle: every thread, running or waiting):")
+    print("\nsamples by process role:")
     for role, n in roles.most_common():
         print(f"  {role:<40} {n:>7}")
     print("\npool processes, main thread: share of samples under each frame")
