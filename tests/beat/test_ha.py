@@ -135,7 +135,8 @@ def empty_broker() -> None:
 
 
 @pytest.mark.scenario(19)
-@pytest.mark.parametrize("lock", ["db", pytest.param("redis", marks=pytest.mark.slow)])  # a minute each: one in CI
+@pytest.mark.slow  # a minute for each lock backend: in make chaos (failover tests below run in CI)
+@pytest.mark.parametrize("lock", ["db", "redis"])
 def test_three_beats_publish_every_slot_exactly_once_for_a_minute(
     beats: BeatFactory, workers: Any, private_redis: RedisServer, lock: str, figures: Any
 ) -> None:
@@ -269,6 +270,7 @@ def test_a_paused_leader_that_wakes_up_publishes_nothing(
 
 
 @pytest.mark.scenario(23)
+@pytest.mark.slow  # in make chaos: CI time
 def test_redis_lock_server_shutdown_leader_steps_down_and_service_resumes(
     beats: BeatFactory, private_redis: RedisServer, empty_broker: None, figures: Any
 ) -> None:

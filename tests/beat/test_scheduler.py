@@ -134,6 +134,7 @@ def test_a_stale_leader_is_fenced_off(schedulers: Callable[[], LockedScheduler])
 
 
 @pytest.mark.scenario(33)
+@pytest.mark.slow  # in make chaos: CI time
 def test_bulk_update_of_the_schedule_is_picked_up_within_one_sync(
     schedulers: Callable[[], LockedScheduler], figures: Any
 ) -> None:

@@ -250,6 +250,7 @@ def test_a_leader_crash_around_a_slots_publication_neither_loses_nor_doubles_it(
 
 @pytest.mark.scenario(22)
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # in make chaos: CI time
 def test_a_plain_celery_entrys_slot_at_a_crash_between_commit_and_send_is_lost_not_doubled(
     beats: BeatFactory, figures: Any
 ) -> None:
@@ -472,7 +473,10 @@ STOP_BEFORE_FENCE = {
 
 @pytest.mark.scenario(24)
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fault", ["del", "flushall", "restart_empty", "del_mid_publication"])
+@pytest.mark.parametrize(
+    "fault",
+    ["del", *(pytest.param(f, marks=pytest.mark.slow) for f in ("flushall", "restart_empty", "del_mid_publication"))],
+)  # one in CI, every fault in make chaos
 def test_the_lock_key_lost_under_a_live_leader_gives_one_publication_per_slot(
     beats: BeatFactory, private_redis: RedisServer, figures: Any, fault: str
 ) -> None:
@@ -647,6 +651,7 @@ def shifted_redis(tmp_path: Path) -> Iterator[ShiftedRedisServer]:
 
 @pytest.mark.scenario(28)
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # in make chaos: CI time
 def test_a_clock_jump_on_the_redis_lock_server_expires_the_lease_early_and_no_slot_doubles(
     beats: BeatFactory, shifted_redis: ShiftedRedisServer, figures: Any
 ) -> None:

@@ -67,6 +67,7 @@ def test_an_atomic_body_cut_off_from_postgres_commits_its_effect_once(remote_hos
 
 
 @pytest.mark.scenario(13)
+@pytest.mark.slow  # in make chaos: CI time
 def test_a_non_atomic_body_cut_off_from_postgres_is_run_twice_and_says_so(
     remote_host, workers, poll, figures, tmp_path
 ):

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.fault]
 
 @pytest.mark.scenario(25)
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # in make chaos: CI time
 def test_redis_cluster_master_failover_keeps_the_lease_and_tokens_increasing(
     request, redis_cluster, lock_name, figures
 ):
