@@ -35,6 +35,7 @@ statements per task (counted in-process on the same code path).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -71,6 +72,8 @@ BODY_DESCRIPTIONS = {
 STATS_FLUSH_SECONDS = 11.0
 #: How often the end of a run is looked for (seconds), on the broker or on procrastinate_jobs.
 POLL_SECONDS = 0.01
+#: Pool processes of every Celery worker, and Procrastinate's worker concurrency (--concurrency).
+CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "2"))
 
 
 def ensure_database() -> None:
@@ -129,7 +132,7 @@ def start_worker(variant: str) -> tuple[subprocess.Popen[bytes], str]:
     name = f"bench-{variant}@%h"
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "celery", "-A", "config", "worker", "-P", "prefork", "-c", "2",
+            sys.executable, "-m", "celery", "-A", "config", "worker", "-P", "prefork", "-c", str(CONCURRENCY),
             "-Q", "bench", "-n", name, "--without-mingle", "--without-gossip", "--without-heartbeat",
             "--loglevel", "WARNING",
         ],
@@ -157,7 +160,10 @@ def stop_worker(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+@functools.cache
 def _broker() -> Any:
+    """One client for the run's polling (every 10 ms): a new connection per poll cost this
+    process and Redis a connection's set-up each time, CPU that the workers share."""
     import redis
     from django.conf import settings
 
@@ -292,7 +298,7 @@ class ProcrastinatePeer:
             if cur.fetchone()[0]:
                 raise RuntimeError("a live Procrastinate worker is registered on this database: it would take jobs")
         self.proc = subprocess.Popen(
-            [sys.executable, "manage.py", "procrastinate", "worker", "--concurrency", "2", "--queues", QUEUE],
+            [sys.executable, "manage.py", "procrastinate", "worker", "--concurrency", str(CONCURRENCY), "--queues", QUEUE],
             cwd=ROOT,
             env={**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings"},
             stdout=subprocess.DEVNULL,
@@ -560,7 +566,8 @@ def measure(body: str, variants: list[str], tasks: int, repeat: int) -> dict[str
     print()
     print(
         f"{tasks} tasks per run, body {body} ({BODY_DESCRIPTIONS[body]}), medians of {repeat}; "
-        "Celery: Redis broker, prefork -c 2, acks_late, prefetch 1; Procrastinate: one worker, concurrency 2"
+        f"Celery: Redis broker, prefork -c {CONCURRENCY}, acks_late, prefetch 1; "
+        f"Procrastinate: one worker, concurrency {CONCURRENCY}"
     )
     print(f"{'variant':<64} {'e2e/s':>7} {'vs plain':>8} {'drain/s':>8} {'vs plain':>8} {'publish/s':>9} {'PG tx':>6}")
     for v in variants:

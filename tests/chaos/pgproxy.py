@@ -3,8 +3,8 @@
 ``tests/chaos/hosts.py``'s ``Forwarder`` copies bytes and can only be stopped at a moment the
 test picks, which races with what the worker is doing. This proxy reads the client's side of
 the PostgreSQL wire protocol (v3: a startup packet, then ``type byte + int32 length +
-payload`` frames) far enough to see each statement's SQL (a simple ``Query`` or an extended
-``Parse``), and the server's side far enough to see where each reply ends (``ReadyForQuery``).
+payload`` frames) far enough to see each statement's SQL (a simple ``Query``, an extended
+``Parse``, or the ``Bind`` that runs a statement prepared earlier on the connection), and the server's side far enough to see where each reply ends (``ReadyForQuery``).
 An armed ``Cut`` fires on the first statement it matches:
 
 ``before``
@@ -54,7 +54,7 @@ class Cut:
     primed_by: str = ""
     fired_at: float | None = None  # time.monotonic() when it fired
     statement: str = ""  # the SQL it fired on
-    kind: str = ""  # the message that carried it: "Q" (simple query) or "P" (Parse)
+    kind: str = ""  # the message that carried it: "Q" (simple query), "P" (Parse) or "B" (Bind of a prepared one)
     server_reply: list[str] = field(default_factory=list)  # what the server said (not relayed)
     fired: threading.Event = field(default_factory=threading.Event)
 
@@ -67,7 +67,7 @@ class Cut:
 class Statement:
     at: float
     connection: int
-    kind: str  # "Q" (simple query) or "P" (Parse, extended protocol)
+    kind: str  # "Q" (simple query), "P" (Parse, extended protocol) or "B" (Bind of a prepared statement)
     sql: str
 
 
@@ -80,6 +80,7 @@ class _Conn:
         self.server: asyncio.StreamWriter | None = None
         self.primed = False
         self.swallowing: Cut | None = None  # set after an "after" cut: the server's reply is discarded
+        self.prepared: dict[bytes, str] = {}  # a prepared statement's name -> its SQL (from its Parse)
 
     def abort(self) -> None:
         for writer in (self.client, self.server):
@@ -249,11 +250,19 @@ class PgProxy:
             (length,) = struct.unpack("!i", head[1:])
             payload = await reader.readexactly(length - 4)
             cut: Cut | None = None
-            if kind in ("Q", "P") and conn.swallowing is None:
-                if kind == "Q":
-                    sql = payload[:-1].decode(errors="replace")
-                else:  # Parse: statement name NUL, query NUL, parameter types
-                    sql = payload.split(b"\0", 2)[1].decode(errors="replace")
+            sql = None
+            if kind == "Q":
+                sql = payload[:-1].decode(errors="replace")
+            elif kind == "P":  # Parse: statement name NUL, query NUL, parameter types
+                name, query, _rest = payload.split(b"\0", 2)
+                sql = query.decode(errors="replace")
+                if name:  # a prepared statement: seen (and cut) where it is run, at each Bind
+                    conn.prepared[name] = sql
+                    sql = None
+            elif kind == "B":  # Bind: portal name NUL, statement name NUL, ...
+                _portal, name, _rest = payload.split(b"\0", 2)
+                sql = conn.prepared.get(name) if name else None
+            if sql is not None and conn.swallowing is None:
                 with self._lock:
                     self.statements.append(Statement(time.monotonic(), conn.number, kind, sql))
                 cut = self._match(conn, kind, sql)

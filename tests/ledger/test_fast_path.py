@@ -204,3 +204,99 @@ def test_a_first_claim_takes_the_jobs_lease_from_the_message_when_it_is_sane(hea
     claimed = ExecutionEvent.objects.get(execution_id=execution.pk, kind=EventKind.CLAIMED)
     assert claimed.data["lease_seconds"] == lease
     assert Execution.objects.get(pk=execution.pk).state == State.SUCCEEDED
+
+
+def _prepared_statements() -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return [row[0] for row in cursor.fetchall()]
+
+
+def test_the_hot_statements_are_prepared_once_per_connection() -> None:
+    """Django opens psycopg 3 connections with preparation off (``prepare_threshold`` None,
+    which also ignores ``prepare=True``): the hot statements must be prepared all the same,
+    and Django's own statements must not be."""
+    pg_only()
+    connection.ensure_connection()
+    for i in range(3):
+        _claim_and_succeed(f"prepared-{i}")
+    for _ in range(10):  # past psycopg's default threshold (5), had Django's statements one
+        Execution.objects.filter(idempotency_key="prepared-0").count()
+    statements = _prepared_statements()
+    assert any("INSERT INTO" in s and "AS e" in s for s in statements), statements  # create-and-claim
+    assert any("SET state = 'SUCCEEDED'" in s for s in statements), statements
+    assert any("state = 'RUNNING'," in s for s in statements), statements  # a submitted row's claim
+    assert not any("COUNT(*)" in s for s in statements), "Django's own statements were prepared too"
+
+
+def test_prepared_statements_can_be_turned_off_for_a_transaction_pooler(settings: Any) -> None:
+    """``TASKPLATFORM_PREPARED_STATEMENTS = False`` (a PgBouncer that loses them): none prepared."""
+    pg_only()
+    settings.TASKPLATFORM_PREPARED_STATEMENTS = False
+    connection.close()
+    row = _claim_and_succeed("unprepared")
+    assert row.state == State.SUCCEEDED
+    assert _prepared_statements() == []
+
+
+def _alter_elsewhere(sql: str) -> None:
+    """Run ``sql`` on another connection, as a migration run by a deploy would (psycopg drops
+    its prepared statements itself when it sees an ``ALTER`` on its own connection)."""
+    import psycopg
+
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    with psycopg.connect(**params, autocommit=True) as other:
+        other.execute(sql)
+
+
+def test_a_migration_that_changes_a_returned_column_does_not_break_a_running_worker() -> None:
+    """A column the claim returns changes type while a worker runs (its statements prepared):
+    PostgreSQL refuses the prepared form ("cached plan must not change result type"). The
+    statement is prepared afresh and run again: the claim and the success hold, and the
+    statements stay prepared (not refused, then run again, on every call)."""
+    pg_only()
+    _claim_and_succeed("before-migration")
+    table = Execution._meta.db_table
+    _alter_elsewhere(f'ALTER TABLE "{table}" ALTER COLUMN "publish_count" TYPE bigint')
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        (altered_at,) = cursor.fetchone()
+    try:
+        row = _claim_and_succeed("after-migration")
+        assert (row.state, row.result) == (State.SUCCEEDED, {"ok": "after-migration"})
+        row = _claim_and_succeed("after-migration-2")
+        assert row.state == State.SUCCEEDED
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT statement, prepare_time FROM pg_prepared_statements")
+            create = [at for statement, at in cursor.fetchall() if "INSERT INTO" in statement and "AS e" in statement]
+        assert create and create[0] >= altered_at, "the create-and-claim was not prepared again"
+    finally:
+        _alter_elsewhere(f'ALTER TABLE "{table}" ALTER COLUMN "publish_count" TYPE integer')
+        connection.close()
+
+
+def test_a_changed_result_type_inside_a_transaction_fails_the_transaction_not_the_ledger() -> None:
+    """The same refusal inside a transaction (a row created in the caller's transaction): the
+    transaction is aborted, so the statement is not run again there; the error reaches the
+    caller, nothing is written, and the next statement on the connection runs unprepared."""
+    pg_only()
+    from django.db import NotSupportedError
+
+    _claim_and_succeed("prepare-first")
+    table = Execution._meta.db_table
+    _alter_elsewhere(f'ALTER TABLE "{table}" ALTER COLUMN "publish_count" TYPE bigint')
+    try:
+        mark = timezone.now()
+        with pytest.raises(NotSupportedError), transaction.atomic():
+            ledger.create_claimed(spec("in-tx"), worker="node-a:1", celery_task_id="t-1", lease_seconds=60,
+                                  started_at=mark)  # fmt: skip
+        assert not Execution.objects.filter(idempotency_key="in-tx").exists()
+        created = ledger.create_claimed(
+            spec("in-tx"), worker="node-a:1", celery_task_id="t-1", lease_seconds=60, started_at=mark
+        )
+        assert created is not None and created.execution.state == State.RUNNING
+    finally:
+        _alter_elsewhere(f'ALTER TABLE "{table}" ALTER COLUMN "publish_count" TYPE integer')
+        connection.close()

@@ -50,6 +50,10 @@ class PlatformSettings:
     #: The default lock backend as a URL (used when ``lock_backends`` has no ``default``):
     #: ``db://``, ``redis://h:6379/0``, ``redis-cluster://h:7000``, ``redlock://h1:p1,h2:p2,h3:p3``.
     lock_url: str = "db://"
+    #: PostgreSQL (psycopg 3): the ledger's hot statements (claim, success, insert) are
+    #: prepared once per connection. False behind a PgBouncer in transaction mode that does
+    #: not track prepared statements (before 1.21, or ``max_prepared_statements = 0``).
+    prepared_statements: bool = True
 
     # --- the beat (taskplatform.beat.LockedScheduler) ---
     #: Lock backend alias the beat leader's lease is held on.
