@@ -298,7 +298,16 @@ class ProcrastinatePeer:
             if cur.fetchone()[0]:
                 raise RuntimeError("a live Procrastinate worker is registered on this database: it would take jobs")
         self.proc = subprocess.Popen(
-            [sys.executable, "manage.py", "procrastinate", "worker", "--concurrency", str(CONCURRENCY), "--queues", QUEUE],
+            [
+                sys.executable,
+                "manage.py",
+                "procrastinate",
+                "worker",
+                "--concurrency",
+                str(CONCURRENCY),
+                "--queues",
+                QUEUE,
+            ],
             cwd=ROOT,
             env={**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings"},
             stdout=subprocess.DEVNULL,

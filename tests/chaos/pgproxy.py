@@ -4,7 +4,8 @@
 test picks, which races with what the worker is doing. This proxy reads the client's side of
 the PostgreSQL wire protocol (v3: a startup packet, then ``type byte + int32 length +
 payload`` frames) far enough to see each statement's SQL (a simple ``Query``, an extended
-``Parse``, or the ``Bind`` that runs a statement prepared earlier on the connection), and the server's side far enough to see where each reply ends (``ReadyForQuery``).
+``Parse``, or the ``Bind`` that runs a statement prepared earlier on the connection), and the
+server's side far enough to see where each reply ends (``ReadyForQuery``).
 An armed ``Cut`` fires on the first statement it matches:
 
 ``before``
