@@ -1,4 +1,5 @@
-"""Create the demo superuser (random password, printed) and the demo job definitions."""
+"""Create the demo superuser (random password, printed), the demo job definitions and the
+README's coupon campaign (``winter``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from django.core.management.base import BaseCommand
 
 from taskplatform.jobs import define_job
 from taskplatform.models import JobDefinition
+from tasks.models import Campaign
 
 
 class Command(BaseCommand):
@@ -42,5 +44,8 @@ class Command(BaseCommand):
                 description="Demo: fails 60 % of the time; retries with backoff, then dead-letters.",
                 schedule={"cron": "* * * * *", "timezone_name": "Europe/Berlin"},
             )
+        # The README's example request, ``POST /api/coupons/ {"campaign": "winter"}``, must work
+        # on a fresh ``make run``.
+        Campaign.objects.get_or_create(slug="winter", defaults={"name": "Winter sale (demo)", "stock": 100})
         call_command("setup_reference_jobs", stdout=self.stdout)
         self.stdout.write(credentials.read_text() if credentials.exists() else "admin user exists\n")
