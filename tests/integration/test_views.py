@@ -328,3 +328,11 @@ def test_metrics_need_the_view_execution_permission_not_just_staff() -> None:
         browser = Client()
         browser.login(username=username, password="pw")
         assert browser.get("/metrics").status_code == status, username
+
+
+def test_the_sites_root_leads_to_the_console_not_a_404() -> None:
+    """The admin's "View site" link points at ``/``: it must open the console (the login page
+    for an anonymous visitor), not Django's 404 page."""
+    response = Client().get("/", follow=True)
+    assert response.status_code == 200
+    assert response.redirect_chain and response.redirect_chain[0][0] == "/admin/"

@@ -97,6 +97,7 @@ def save_job(job: JobDefinition, *, schedule: dict[str, Any] | None, user: str, 
         job.save()
         if enabled_changed:
             audit(user, "resume_job" if job.enabled else "pause_job", f"job:{job.slug}", "changed in the job form")
+            _mirror_to_schedule(job.periodic_task_id, job.enabled)
         if schedule is not None:
             schedule_job(job, **schedule)
         else:
@@ -178,7 +179,7 @@ def schedule_job(
                 "args": f'["{job.slug}"]',
                 "kwargs": "{}",
                 "start_time": start,
-                "enabled": True,
+                "enabled": job.enabled,  # one switch: django-celery-beat's pages show the job's
                 "description": f"Schedule of job {job.slug} (taskplatform).",
             },
         )
@@ -208,7 +209,40 @@ def set_enabled(job: JobDefinition, enabled: bool, *, user: str, reason: str) ->
         )
         if changed:
             audit(user, "resume_job" if enabled else "pause_job", f"job:{job.slug}", reason)
+            _mirror_to_schedule(job.periodic_task_id, enabled)
     return bool(changed)
+
+
+def _mirror_to_schedule(periodic_task_id: int | None, enabled: bool) -> None:
+    """Keep the job's django-celery-beat entry's ``enabled`` equal to the job's: its pages show
+    the same switch the console does. Saved (not ``update()``d) so django-celery-beat records
+    the change as its own edits are."""
+    if periodic_task_id is None:
+        return
+    periodic = PeriodicTask.objects.filter(pk=periodic_task_id).first()
+    if periodic is not None and periodic.enabled != enabled:
+        periodic.enabled = enabled
+        periodic.save(update_fields=["enabled"])
+
+
+def mirror_from_schedule(sender: Any, instance: PeriodicTask, **kwargs: Any) -> None:
+    """``post_save`` of a ``PeriodicTask``: a job's entry enabled or disabled in
+    django-celery-beat's own admin pauses or resumes the job, audited. (Its bulk actions
+    update rows without saving them: the beat still honours them, an entry runs only when
+    both switches are on.)"""
+    job = JobDefinition.objects.filter(periodic_task_id=instance.pk).first()
+    if job is None or job.enabled == instance.enabled:
+        return
+    with transaction.atomic():
+        if JobDefinition.objects.filter(pk=job.pk, enabled=not instance.enabled).update(
+            enabled=instance.enabled, updated_at=timezone.now()
+        ):
+            audit(
+                "django-celery-beat",
+                "resume_job" if instance.enabled else "pause_job",
+                f"job:{job.slug}",
+                f"its schedule entry {instance.name!r} was {'enabled' if instance.enabled else 'disabled'}",
+            )
 
 
 def duplicate_job(job: JobDefinition, *, user: str, new_slug: str) -> JobDefinition:

@@ -507,6 +507,9 @@ class LockAdmin(admin.ModelAdmin):
             raise PermissionDenied
         alias = request.POST.get("alias") or request.GET.get("alias", "")
         name = request.POST.get("name") or request.GET.get("name", "")
+        if not alias or not name:
+            self.message_user(request, "Choose a lock to release (its Force-release… button).", messages.ERROR)
+            return HttpResponseRedirect(reverse("admin:taskplatform_locklease_changelist"))
         if request.method == "POST" and request.POST.get("confirm") == "yes":
             reason = request.POST.get("reason", "").strip()
             if not reason:
@@ -527,7 +530,7 @@ class LockAdmin(admin.ModelAdmin):
                     )
             return HttpResponseRedirect(reverse("admin:taskplatform_locklease_changelist"))
         try:
-            info = get_lock_backend(alias).inspect(name) if alias and name else None
+            info = get_lock_backend(alias).inspect(name)
         except Exception as exc:  # unknown alias, unreachable server: say so, do not fail
             self.message_user(request, f"Cannot inspect lock {name!r} on {alias!r}: {exc}", messages.ERROR)
             return HttpResponseRedirect(reverse("admin:taskplatform_locklease_changelist"))
