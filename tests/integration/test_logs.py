@@ -77,3 +77,38 @@ def test_a_real_worker_writes_json_lines_with_the_execution(workers: Any) -> Non
         execution.idempotency_key,
         execution.fencing_token,
     )
+
+
+def test_celerys_own_lines_about_a_task_carry_its_execution(workers: Any) -> None:
+    """Celery writes "received" (in the worker's main process, before any claim) and
+    "succeeded in" (after the body's context has closed): both name the execution, for a
+    submitted execution and for a plain ``.delay()`` whose row the worker creates."""
+    worker = workers.start(concurrency=1, env={"TASKPLATFORM_LOG_FORMAT": "json"})
+    submitted = submit(log_line, kwargs={"text": "submitted"})
+    delayed = log_line.delay(text="delayed")
+    wait_for(lambda: state_of(submitted.pk) == "SUCCEEDED", timeout=60, what="the submitted task")
+    row = wait_for(
+        lambda: Execution.objects.filter(celery_task_id=delayed.id, state="SUCCEEDED").first(),
+        timeout=60,
+        what="the delayed task",
+    )
+
+    def celery_lines(task_id: str) -> dict[str, dict[str, Any]] | None:
+        found: dict[str, dict[str, Any]] = {}
+        for raw in worker.log().splitlines():
+            if not raw.startswith("{"):
+                continue
+            line = json.loads(raw)
+            if task_id in line["message"] and line["logger"].startswith("celery"):
+                for kind in ("received", "succeeded"):
+                    if f" {kind}" in line["message"]:
+                        found[kind] = line
+        return found if len(found) == 2 else None
+
+    lines = wait_for(lambda: celery_lines(submitted.celery_task_id), timeout=10, what="Celery's lines")
+    for kind in ("received", "succeeded"):
+        assert lines[kind]["execution_id"] == submitted.pk, (kind, lines[kind])
+        assert lines[kind]["idempotency_key"] == submitted.idempotency_key
+    assert lines["succeeded"]["fencing_token"] == 1
+    lines = wait_for(lambda: celery_lines(delayed.id), timeout=10, what="Celery's lines for .delay()")
+    assert lines["succeeded"]["execution_id"] == row.pk and lines["succeeded"]["fencing_token"] == 1

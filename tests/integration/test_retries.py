@@ -69,7 +69,7 @@ def test_the_job_definition_overrides_the_task_retry_policy(workers, poll):
 
 def test_a_retry_longer_than_the_broker_bound_is_parked_and_published_when_due(workers, poll):
     # Workers treat delays above 1 s as too long for the broker.
-    workers.start(concurrency=1, env={"TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS": "1"})
+    worker = workers.start(concurrency=1, env={"TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS": "1"})
     job = JobDefinition.objects.create(
         slug="slow-retry",
         task="testapp.fails_then_succeeds",
@@ -83,6 +83,13 @@ def test_a_retry_longer_than_the_broker_bound_is_parked_and_published_when_due(w
     assert row.publish_count == 0 and row.due_at == row.scheduled_for  # parked, not on the broker
     event = ExecutionEvent.objects.get(execution=row, kind="retry_scheduled")
     assert event.data["parked_in_ledger"] is True and event.data["delay_seconds"] == 3
+    # Celery's own retry line says where the retry waits (it used to read as a broker countdown).
+    retry_line = poll(
+        lambda: next((line for line in worker.log().splitlines() if "retry: Retry in" in line), None),
+        timeout=10,
+        what="Celery's retry line",
+    )
+    assert "Retry in 3.0s (parked in the ledger" in retry_line, retry_line
 
     assert run_rescuer().published == 0  # not due yet: nothing goes to the broker early
 

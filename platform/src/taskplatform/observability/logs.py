@@ -6,6 +6,11 @@ every log record that passes a handler it is attached to (``None`` outside an ex
 explicit ``extra={...}`` values win), so the platform's lines and the task body's own lines
 can be joined to the ledger. ``JsonFormatter`` writes one JSON object per line.
 
+Celery's own lines about a task ("received", "succeeded in", "retry", "raised") are written
+outside that context, but carry the Celery task id (``record.data["id"]``): the worker
+remembers which execution each recent task id is for (``remember_task``: from the message's
+header when it arrives, from the claim when it runs), and the filter fills those lines in.
+
 ``config/settings/base.py`` wires both (``TASKPLATFORM_LOG_FORMAT=json|plain``), and
 ``config/celery_app.py`` applies them to Celery's own worker and beat handlers.
 """
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -48,6 +55,31 @@ def execution_context(
         _context.reset(token)
 
 
+#: Celery task id -> the execution fields, for this process's most recent deliveries.
+_BY_TASK_ID: OrderedDict[str, dict[str, Any]] = OrderedDict()
+_BY_TASK_ID_LOCK = threading.Lock()
+#: How many task ids a process remembers (a few hundred bytes each).
+REMEMBERED_TASKS = 10_000
+
+
+def remember_task(
+    task_id: str, execution_id: int, idempotency_key: str | None = None, fencing_token: int | None = None
+) -> None:
+    """Celery's lines about ``task_id`` carry these execution fields (see the module doc)."""
+    fields = {"execution_id": execution_id, "idempotency_key": idempotency_key, "fencing_token": fencing_token}
+    with _BY_TASK_ID_LOCK:
+        _BY_TASK_ID[task_id] = fields
+        _BY_TASK_ID.move_to_end(task_id)
+        while len(_BY_TASK_ID) > REMEMBERED_TASKS:
+            _BY_TASK_ID.popitem(last=False)
+
+
+def _for_task(record: logging.LogRecord) -> dict[str, Any] | None:
+    data = getattr(record, "data", None)
+    task_id = data.get("id") if isinstance(data, dict) else None
+    return _BY_TASK_ID.get(task_id) if isinstance(task_id, str) else None
+
+
 def current_context() -> dict[str, Any]:
     return dict(_context.get() or dict.fromkeys(FIELDS))
 
@@ -56,7 +88,7 @@ class ExecutionContextFilter(logging.Filter):
     """Adds ``execution_id``, ``idempotency_key`` and ``fencing_token`` to every record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        context = _context.get() or {}
+        context = _context.get() or _for_task(record) or {}
         for name in FIELDS:
             if getattr(record, name, None) is None:
                 setattr(record, name, context.get(name))

@@ -42,7 +42,7 @@ from ..core.validation import encode_result, is_idempotent
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP, resolve_error_classes
 from ..exceptions import IdempotencyKeyConflictError, StaleExecutionError
 from ..models import Trigger
-from ..observability.logs import execution_context
+from ..observability.logs import execution_context, remember_task
 from .owner import owner_alive, worker_identity
 from .retry import RetryPolicy
 
@@ -139,6 +139,13 @@ def _record_while_leased(fn: Any, watch: Watch) -> Any:
 MAX_HEADER_LEASE_SECONDS = 7 * 24 * 3600
 
 
+def _retry_message(delay: float, exc: BaseException) -> str:
+    """What Celery logs for a scheduled retry: where it waits (the ledger schedules it)."""
+    if delay <= platform_settings().max_broker_countdown_seconds:
+        return f"Retry in {delay:.1f}s (published with a broker countdown): {exc!r}"
+    return f"Retry in {delay:.1f}s (parked in the ledger; the rescuer publishes it when due): {exc!r}"
+
+
 def _header_lease(headers: dict[str, Any]) -> int | None:
     """The job's lease the publisher put in the message, if it is a sane number of seconds
     (a message from elsewhere may carry anything: then the task's own lease applies)."""
@@ -178,6 +185,9 @@ class IdempotentTask(Task):
 
     atomic: bool = False
     lease_seconds: int | None = None
+    #: Celery's request class for this task: remembers the execution a message names, so
+    #: Celery's own log lines about it carry the execution's fields.
+    Request = "taskplatform.worker.request:LedgerRequest"
     #: How the core and the beat recognise this class without importing it (``core.validation``).
     taskplatform_idempotent = True
     acks_late = True
@@ -349,6 +359,7 @@ class IdempotentTask(Task):
         if claim is None:
             return None
         execution = claim.execution
+        remember_task(request.id, execution.pk, execution.idempotency_key, claim.token)
         with execution_context(execution.pk, execution.idempotency_key, claim.token):
             return self._run_claimed(request, claim, worker, args, kwargs)
 
@@ -528,7 +539,11 @@ class IdempotentTask(Task):
             )
             if not scheduled:
                 ledger.record_stale_write(execution.pk, token, worker=worker, what="schedule_retry")
-            raise Retry(exc=exc if isinstance(exc, Exception) else None, when=cast(Any, delay))
+            raise Retry(
+                message=_retry_message(delay, exc),
+                exc=exc if isinstance(exc, Exception) else None,
+                when=cast(Any, delay),
+            )
         if verdict == "retry":
             error = f"{error} (attempts exhausted: {execution.attempts} of {max_attempts})"
         if not _retry_db(lambda: ledger.dead_letter(execution, token, error=error, traceback=trace, worker=worker)):
