@@ -31,3 +31,6 @@ TASKPLATFORM_LEASE_SECONDS = int(os.environ.get("TASKPLATFORM_LEASE_SECONDS", "6
 TASKPLATFORM_REPUBLISH_AFTER_SECONDS = int(os.environ.get("TASKPLATFORM_REPUBLISH_AFTER_SECONDS", "300"))
 TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS = int(os.environ.get("TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS", "60"))
 CELERY_BEAT_SCHEDULE = {}
+# Tests run the rescuer themselves (``run_rescuer()``) at the moments they choose; the workers'
+# share of the maintenance duties has its own tests, which turn it on.
+TASKPLATFORM_WORKER_MAINTENANCE = os.environ.get("TASKPLATFORM_WORKER_MAINTENANCE", "0") == "1"

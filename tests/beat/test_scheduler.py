@@ -320,6 +320,15 @@ def test_misconfigured_timings_are_refused_with_what_to_change(settings: dict[st
         LockedScheduler(app=celery_app)
 
 
+def test_the_banners_identity_is_the_one_that_runs(schedulers: Callable[[], LockedScheduler]) -> None:
+    """``celery beat`` prints the banner of a throwaway scheduler (``lazy=True``), then runs
+    another: the banner used to show an identity that never led nor followed."""
+    banner = LockedScheduler(app=celery_app, lazy=True)
+    running = schedulers()
+    assert running.identity == banner.identity and banner.identity in banner.info
+    assert schedulers().identity != running.identity  # one banner, one scheduler
+
+
 @pytest.mark.scenario(35)
 def test_schedule_job_refuses_bad_input_and_saves_nothing(figures: Any) -> None:
     job = JobDefinition.objects.create(slug="bad", task="testapp.effect")

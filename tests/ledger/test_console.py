@@ -7,16 +7,18 @@ record written, and the same form submitted twice acting once.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission, User
 from django.test import Client
+from django.utils import timezone
 
 from taskplatform.backends import get_lock_backend
 from taskplatform.core import ledger
 from taskplatform.domain.states import State
-from taskplatform.models import Execution, ExecutionEvent, JobDefinition, OperatorAction
+from taskplatform.models import BeatProcess, Execution, ExecutionEvent, JobDefinition, OperatorAction
 
 pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
 
@@ -244,9 +246,6 @@ def test_duplicate_makes_a_paused_copy_without_schedule_and_audits_it() -> None:
 
 
 def test_the_stuck_filter_finds_expired_leases_and_overdue_rows() -> None:
-    from datetime import timedelta
-
-    from django.utils import timezone
 
     stuck = make_execution("stuck-1", State.RUNNING)
     Execution.objects.filter(pk=stuck.pk).update(lease_expires_at=timezone.now() - timedelta(minutes=1))
@@ -299,6 +298,36 @@ def test_pause_resume_are_permissioned_and_audited() -> None:
         ("pause_job", "job:nightly", "op"),
         ("resume_job", "job:nightly", "op"),
     ]
+
+
+def test_a_jobs_pause_switch_and_its_django_celery_beat_entry_are_one_switch() -> None:
+    """django-celery-beat's pages showed a paused job's entry as enabled: two sources of truth.
+    Pausing or resuming in the console flips the entry; flipping the entry in
+    django-celery-beat's admin pauses or resumes the job, audited."""
+    from django_celery_beat.models import PeriodicTask
+
+    from taskplatform.jobs import define_job
+
+    job, _ = define_job("mirrored", task="testapp.effect", schedule={"every_seconds": 60})
+    entry = PeriodicTask.objects.get(pk=job.periodic_task_id)
+    assert entry.enabled
+    client = operator("pause_jobdefinition")
+    client.post(JOBS, {"action": "pause", "_selected_action": [job.pk]})
+    entry.refresh_from_db()
+    assert not entry.enabled, "a paused job's entry still shows as enabled"
+    client.post(JOBS, {"action": "resume", "_selected_action": [job.pk]})
+    entry.refresh_from_db()
+    assert entry.enabled
+
+    entry.enabled = False  # what django-celery-beat's change form does
+    entry.save()
+    job.refresh_from_db()
+    assert not job.enabled
+    last = OperatorAction.objects.order_by("-id").first()
+    assert last is not None
+    assert (last.user, last.action, last.target) == ("django-celery-beat", "pause_job", "job:mirrored")
+    paused, _ = define_job("born-paused", task="testapp.effect", enabled=False, schedule={"every_seconds": 60})
+    assert not PeriodicTask.objects.get(pk=paused.periodic_task_id).enabled
 
 
 @pytest.mark.scenario(39)
@@ -375,7 +404,19 @@ def test_the_locks_page_and_an_audited_force_release() -> None:
     )
 
     admin = operator("view_locklease", "force_release_locklease")
-    assert b"Force-release" in admin.get(LOCKS).content
+    page = admin.get(LOCKS)
+    assert b"Force-release" in page.content
+    # Leases last seconds: their times are shown to the second.
+    info = backend.inspect("stuck-lock")
+    assert info is not None and info.expires_at is not None
+    shown = timezone.localtime(info.expires_at).strftime("%Y-%m-%d %H:%M:%S")
+    assert shown.encode() in page.content, "the lock's expiry is not shown to the second"
+    # A force-release with no lock chosen changes nothing and says what to do.
+    for no_lock in (admin.get(release), admin.post(release, {"confirm": "yes", "reason": "x"})):
+        assert no_lock.status_code == 302 and no_lock["Location"] == LOCKS
+    assert backend.inspect("stuck-lock").owner == lease.owner  # type: ignore[union-attr]
+    assert "Choose a lock" in str(list(admin.get(LOCKS).context["messages"]))
+
     admin.post(release, {"alias": "default", "name": "stuck-lock", "confirm": "yes", "reason": ""})
     assert backend.inspect("stuck-lock").owner == lease.owner  # type: ignore[union-attr]
     admin.post(release, {"alias": "default", "name": "stuck-lock", "confirm": "yes", "reason": "host decommissioned"})
@@ -383,6 +424,26 @@ def test_the_locks_page_and_an_audited_force_release() -> None:
     (audit,) = OperatorAction.objects.filter(action="force_release_lock")
     assert (audit.user, audit.target, audit.reason) == ("op", "lock:default:stuck-lock", "host decommissioned")
     assert audit.data["holder"] == lease.owner and audit.data["fencing_token"] == lease.token
+
+
+def test_the_locks_page_shows_the_leaders_lease_to_the_second_and_no_lease_for_a_follower() -> None:
+    from taskplatform.conf import platform_settings
+
+    now = timezone.now()
+    expires = now + timedelta(seconds=6)
+    name = platform_settings().beat_lock_name
+    BeatProcess.objects.create(
+        identity="beat-a:1#x", lock_name=name, is_leader=True, fencing_token=41, lease_expires_at=expires,
+        started_at=now, last_seen_at=now,
+    )  # fmt: skip
+    BeatProcess.objects.create(identity="beat-b:2#y", lock_name=name, started_at=now, last_seen_at=now)
+    page = operator("view_locklease").get(LOCKS)
+    assert page.status_code == 200
+    rows = page.content.decode().split("<tr>")
+    leader = next(r for r in rows if "beat-a:1#x" in r)
+    follower = next(r for r in rows if "beat-b:2#y" in r)
+    assert "<td>41</td>" in leader and timezone.localtime(expires).strftime("%Y-%m-%d %H:%M:%S") in leader
+    assert follower.count(">—</td>") == 2, "a follower's token and expiry cells must say it holds no lease"
 
 
 # --- the job form ------------------------------------------------------------------------------
@@ -520,6 +581,25 @@ def test_a_job_with_a_lone_surrogate_cannot_be_saved_so_its_page_cannot_break() 
     job = JobDefinition.objects.get()
     assert job.args == ["\U0001f600"]
     assert client.get(f"{JOBS}{job.pk}/change/").status_code == 200
+
+
+def test_the_overview_on_the_landing_page_can_be_left_out_and_never_replaces_a_sites_own() -> None:
+    """Installing the app used to replace the admin's landing page silently: it now adds the
+    overview on top of it (extending ``admin/index.html``), can be turned off, and leaves an
+    admin site that chose its own index template alone."""
+    from django.contrib.admin import AdminSite
+    from django.test import override_settings
+
+    from taskplatform.apps import install_admin_overview
+
+    site = AdminSite()
+    assert install_admin_overview(site) and site.index_template == "admin/taskplatform/index.html"
+    with override_settings(TASKPLATFORM_ADMIN_OVERVIEW=False):
+        site = AdminSite()
+        assert not install_admin_overview(site) and site.index_template is None
+    site = AdminSite()
+    site.index_template = "custom/index.html"
+    assert not install_admin_overview(site) and site.index_template == "custom/index.html"
 
 
 def test_the_landing_page_shows_counts_and_an_offline_chart_of_the_last_24_hours() -> None:

@@ -68,6 +68,72 @@ def test_non_positive_values_are_refused():
     assert "taskplatform.E002" in ids(check_settings())
 
 
+@override_settings(TASKPLATFORM_LEASE_SECOND=30)
+def test_a_misspelt_setting_is_reported_with_the_nearest_valid_name():
+    """``TASKPLATFORM_LEASE_SECOND`` used to be ignored silently (the lease stayed 60 s)."""
+    (message,) = [m for m in check_settings() if m.id == "taskplatform.E001"]
+    assert "TASKPLATFORM_LEASE_SECOND" in message.msg and message.hint == "Did you mean TASKPLATFORM_LEASE_SECONDS?"
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "fragment"),
+    [
+        ("TASKPLATFORM_BEAT_LEASE_SECONDS", "6", "must be a number, not '6' (str)"),
+        ("TASKPLATFORM_LEASE_SECONDS", 30.5, "must be an integer, not 30.5"),
+        ("TASKPLATFORM_LEASE_SECONDS", True, "must be an integer, not True"),
+        ("TASKPLATFORM_PREPARED_STATEMENTS", "no", "must be True or False"),
+        ("TASKPLATFORM_LOCK_BACKENDS", [], "must be a dict"),
+        ("TASKPLATFORM_RETENTION_DAYS", -1, "must be 0 or more"),
+        ("TASKPLATFORM_BEAT_TICK_SECONDS", 0, "must be above 0"),
+        ("TASKPLATFORM_LOG_FORMAT", "xml", "must be one of 'plain', 'json'"),
+    ],
+)
+def test_a_value_of_the_wrong_type_or_range_is_a_check_error_not_a_traceback(setting, value, fragment):
+    """Every check runs (none raises on a string where a number belongs); the value is named;
+    the worker and the beat, which read the settings, refuse to start with the same message."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from taskplatform.checks import check_lock_backends
+    from taskplatform.conf import platform_settings
+
+    with override_settings(**{setting: value}):
+        messages = [*check_settings(), *check_celery(), *check_beat(), *check_lock_backends()]
+        errors = [m for m in messages if m.id == "taskplatform.E002"]
+        assert len(errors) == 1 and setting in errors[0].msg and fragment in errors[0].msg, messages
+        with pytest.raises(ImproperlyConfigured, match=setting):
+            platform_settings()
+        from taskplatform.apps import refuse_bad_settings
+
+        with pytest.raises(SystemExit, match=setting):  # a worker's ``worker_init``: it does not start
+            refuse_bad_settings()
+
+
+def test_a_global_celery_warning_can_be_silenced_the_django_way():
+    """W012 and W015 are about the host's own Celery settings: ``SILENCED_SYSTEM_CHECKS`` says
+    "I know", and the hints say so."""
+    from django.core.management import call_command
+
+    conf = current_app.conf
+    saved = conf.task_acks_late
+    conf.task_acks_late = False
+    try:
+        (warning,) = [m for m in check_celery() if m.id == "taskplatform.W012"]
+        assert "SILENCED_SYSTEM_CHECKS" in warning.hint
+        with override_settings(SILENCED_SYSTEM_CHECKS=["taskplatform.W012"]):
+            call_command("check", fail_level="WARNING")  # would raise SystemCheckError on W012
+    finally:
+        conf.task_acks_late = saved
+
+
+def test_the_settings_reference_page_is_the_code():
+    """``docs/reference/settings.md`` is generated from ``PlatformSettings``: regenerate it with
+    ``.venv/bin/python -m taskplatform.conf > docs/reference/settings.md``."""
+    from taskplatform.conf import reference_markdown
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "reference" / "settings.md"
+    assert page.read_text() == reference_markdown()
+
+
 def test_the_ledger_on_sqlite_is_warned_about_and_other_databases_are_not():
     from django.db import connections
 

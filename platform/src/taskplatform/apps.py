@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.apps import AppConfig
+from django.core.exceptions import ImproperlyConfigured
+
+#: The apps taskplatform's models and console need in ``INSTALLED_APPS``.
+REQUIRED_APPS = ("django.contrib.admin", "django.contrib.auth", "django.contrib.contenttypes", "django_celery_beat")
 
 
 class TaskPlatformConfig(AppConfig):
@@ -10,11 +16,68 @@ class TaskPlatformConfig(AppConfig):
     verbose_name = "Task platform"
     default_auto_field = "django.db.models.BigAutoField"
 
+    def import_models(self) -> None:
+        """Say which apps are missing before the models import (a job's schedule is a
+        django-celery-beat row, the console is the admin); it used to be a traceback about a
+        model without an app label, or ``django.setup()`` failing."""
+        registry = self.apps
+        assert registry is not None  # set before import_models is called
+        missing = [name for name in REQUIRED_APPS if not registry.is_installed(name)]
+        if missing:
+            raise ImproperlyConfigured(
+                f"taskplatform needs {', '.join(repr(name) for name in missing)} in INSTALLED_APPS "
+                f"(all of: {', '.join(REQUIRED_APPS)})"
+            )
+        super().import_models()
+
     def ready(self) -> None:
-        """Register the system checks; put the console's overview on the admin's landing page."""
+        """Register the system checks; keep a job's pause switch and its django-celery-beat entry's
+        ``enabled`` one switch; make workers candidates for the maintenance duties; put the
+        console's overview on the admin's landing page."""
         from django.contrib import admin
+        from django.db.models.signals import post_save
+        from django_celery_beat.models import PeriodicTask
 
         from . import checks  # noqa: F401
+        from .jobs import mirror_from_schedule
 
-        if admin.site.index_template is None:
-            admin.site.index_template = "admin/taskplatform/index.html"
+        post_save.connect(mirror_from_schedule, sender=PeriodicTask, dispatch_uid="taskplatform.mirror_from_schedule")
+
+        from celery.signals import worker_init, worker_ready, worker_shutdown
+
+        from .scheduling.maintenance import start_worker_maintenance, stop_worker_maintenance
+
+        worker_init.connect(refuse_bad_settings, dispatch_uid="taskplatform.refuse_bad_settings")
+        worker_ready.connect(start_worker_maintenance, dispatch_uid="taskplatform.worker_maintenance")
+        worker_shutdown.connect(stop_worker_maintenance, dispatch_uid="taskplatform.worker_maintenance")
+
+        install_admin_overview(admin.site)
+
+
+def refuse_bad_settings(sender: object = None, **kwargs: object) -> None:
+    """Celery's ``worker_init``: a worker with a ``TASKPLATFORM_*`` value of the wrong type or
+    out of range does not start (``SystemExit``: Celery logs and swallows a handler's
+    ``Exception``), rather than fail every task with it."""
+    from .conf import platform_settings
+
+    try:
+        platform_settings()
+    except ImproperlyConfigured as exc:
+        raise SystemExit(f"taskplatform: {exc}") from exc
+
+
+def install_admin_overview(site: Any) -> bool:
+    """Put the console's overview on ``site``'s landing page, above what it shows already
+    (the template extends ``admin/index.html``, the host's own override included), unless
+    ``TASKPLATFORM_ADMIN_OVERVIEW`` is False or the site has an index template of its own.
+    True if installed."""
+    from .conf import platform_settings
+
+    try:
+        wanted = platform_settings().admin_overview
+    except ImproperlyConfigured:  # reported by the system checks (E002); setup must go on to run them
+        return False
+    if not wanted or site.index_template is not None:
+        return False
+    site.index_template = "admin/taskplatform/index.html"
+    return True

@@ -6,9 +6,10 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.exceptions import ImproperlyConfigured
 
 from .backends import backend_config, build_backend
-from .conf import platform_settings
+from .conf import platform_settings, settings_problems, unknown_settings
 from .exceptions import TaskPlatformError
 from .scheduling.config import configuration_problems
 
@@ -21,29 +22,23 @@ def _celery_conf() -> Any:
 
 @register("taskplatform")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """Settings values that make the guarantees impossible."""
+    """``TASKPLATFORM_*`` settings: unknown names (a misspelling is otherwise ignored), values of
+    the wrong type or out of range, and values that make the guarantees impossible."""
     errors: list[CheckMessage] = []
-    try:
-        conf = platform_settings()
-    except TypeError as exc:
-        return [Error(f"unknown TASKPLATFORM_* setting: {exc}", id="taskplatform.E001")]
-    for name in (
-        "max_args_bytes",
-        "max_result_bytes",
-        "lease_seconds",
-        "republish_after_seconds",
-        "rescue_batch_size",
-        "rescue_interval_seconds",
-    ):
-        value = getattr(conf, name)
-        if not isinstance(value, int) or value <= 0:
-            errors.append(
-                Error(
-                    f"TASKPLATFORM_{name.upper()} must be a positive integer, not {value!r}",
-                    id="taskplatform.E002",
-                )
+    for name, nearest in unknown_settings():
+        errors.append(
+            Error(
+                f"unknown setting {name}",
+                hint=f"Did you mean {nearest}?" if nearest else "See docs/reference/settings.md for the settings.",
+                id="taskplatform.E001",
             )
-    if isinstance(conf.lease_seconds, int) and conf.lease_seconds < 3:
+        )
+    problems = settings_problems()
+    errors += [Error(problem, hint=_SETTINGS_DOC, id="taskplatform.E002") for problem in problems]
+    if problems:
+        return errors  # the other checks read these values: they wait for a valid configuration
+    conf = platform_settings()
+    if conf.lease_seconds < 3:
         errors.append(
             Error(
                 f"TASKPLATFORM_LEASE_SECONDS={conf.lease_seconds} is too short to renew reliably",
@@ -54,9 +49,24 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return errors
 
 
+_SETTINGS_DOC = "See docs/reference/settings.md for each setting's type and range."
+
+
+def _valid_settings() -> bool:
+    """Whether the other checks may read the platform's settings (``check_settings`` reports
+    them otherwise, instead of a traceback from a check doing arithmetic on a string)."""
+    try:
+        platform_settings()
+    except ImproperlyConfigured:
+        return False
+    return True
+
+
 @register("taskplatform")
 def check_celery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Celery options the platform depends on: JSON only, late acks, bounded countdowns."""
+    if not _valid_settings():
+        return []
     errors: list[CheckMessage] = []
     conf = _celery_conf()
     accept = set(conf.accept_content or [])
@@ -75,7 +85,8 @@ def check_celery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
         errors.append(
             Warning(
                 "CELERY_TASK_ACKS_LATE is off",
-                hint="IdempotentTask sets acks_late itself; other tasks lose work when a worker dies.",
+                hint="IdempotentTask sets acks_late itself; other tasks lose work when a worker dies. If that "
+                "is intended, add 'taskplatform.W012' to SILENCED_SYSTEM_CHECKS.",
                 id="taskplatform.W012",
             )
         )
@@ -108,7 +119,8 @@ def check_celery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
             Warning(
                 "CELERY_DB_REUSE_MAX is not set",
                 hint="Celery's Django fix-up then closes the database connection around every task "
-                "(a new connection per task). Set it, e.g. CELERY_DB_REUSE_MAX = 1000.",
+                "(a new connection per task). Add CELERY_DB_REUSE_MAX = 1000 to your settings (or, if "
+                "intended, 'taskplatform.W015' to SILENCED_SYSTEM_CHECKS).",
                 id="taskplatform.W015",
             )
         )
@@ -118,6 +130,8 @@ def check_celery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 @register("taskplatform")
 def check_lock_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Every configured lock backend imports, builds and accepts its options."""
+    if not _valid_settings():
+        return []
     aliases = set(platform_settings().lock_backends or {}) | {"default"}
     errors: list[CheckMessage] = []
     for alias in sorted(aliases):
@@ -138,6 +152,8 @@ def check_lock_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
 @register("taskplatform")
 def check_beat(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """The beat's lease, tick, step-down and sync timings fit together (LockedScheduler refuses them too)."""
+    if not _valid_settings():
+        return []
     errors: list[CheckMessage] = [Error(p, id="taskplatform.E030") for p in configuration_problems(platform_settings())]
     conf = platform_settings()
     try:
@@ -166,6 +182,30 @@ def check_beat(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
             )
         )
     return errors
+
+
+@register("taskplatform")
+def check_maintenance(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Something can run the maintenance duties (the rescuer, pruning): without them a lost
+    message is never republished, a parked retry never published, an expired lease never
+    rescued (guarantees G1, G5 and G6)."""
+    if not _valid_settings():
+        return []
+    if platform_settings().worker_maintenance:
+        return []
+    scheduler = str(getattr(settings, "CELERY_BEAT_SCHEDULER", "") or _celery_conf().beat_scheduler or "")
+    if scheduler.replace(":", ".").endswith("LockedScheduler"):
+        return []
+    return [
+        Warning(
+            "nothing runs the rescuer: TASKPLATFORM_WORKER_MAINTENANCE is False and the beat "
+            f"scheduler is not taskplatform's LockedScheduler ({scheduler or 'Celery default'})",
+            hint="Lost messages would never be republished and parked retries never published. Leave "
+            "TASKPLATFORM_WORKER_MAINTENANCE on, or run celery beat with taskplatform.beat.LockedScheduler, "
+            "or run 'manage.py taskplatform rescue' every few seconds yourself and silence taskplatform.W017.",
+            id="taskplatform.W017",
+        )
+    ]
 
 
 @register("taskplatform", "database")
@@ -213,6 +253,8 @@ def _exposed(url: str) -> str:
 def check_exposed_services(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """``manage.py check --deploy``: no broker, result backend or lock server on another host
     without credentials (a Redis anyone on the network can write to runs anyone's tasks)."""
+    if not _valid_settings():
+        return []
     conf = _celery_conf()
     urls = {"the broker (CELERY_BROKER_URL)": str(conf.broker_url or "")}
     if conf.result_backend:

@@ -7,11 +7,15 @@ never ``getattr(settings, ...)`` ad hoc.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import difflib
+import inspect
+import re
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
-from typing import Any
+from typing import Any, get_type_hints
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
@@ -41,8 +45,13 @@ class PlatformSettings:
     republish_max_seconds: int = 3600
     #: How many rows the rescuer handles per pass and per category.
     rescue_batch_size: int = 500
-    #: How often the beat leader's maintenance thread runs the rescuer, in seconds.
+    #: How often the holder of the maintenance duties runs the rescuer, in seconds; also how
+    #: often a process that does not hold them asks for them.
     rescue_interval_seconds: int = 10
+    #: Workers are candidates for the maintenance duties (the rescuer, pruning) with the beat
+    #: leader: one process in the fleet holds their lease and runs them, whatever scheduler
+    #: the project uses. False only when a ``LockedScheduler`` beat always runs.
+    worker_maintenance: bool = True
     #: Queue the rescuer task is published to when beat drives it (empty: Celery's default).
     rescue_queue: str = ""
     #: Lock backends by alias, like ``CACHES``: ``{"default": {"BACKEND": "...", "OPTIONS": {...}}}``.
@@ -84,6 +93,17 @@ class PlatformSettings:
     #: How often the beat leader prunes the ledger, in seconds.
     prune_interval_seconds: int = 3600
 
+    # --- the console (the Django admin) ---
+    #: Put the console's overview (executions by state, dead letters, the beat) at the top of
+    #: the admin's landing page, above what it shows already; False leaves that page alone
+    #: (an admin site with an ``index_template`` of its own is never changed).
+    admin_overview: bool = True
+
+    # --- logs (taskplatform.observability.logs) ---
+    #: The format of log lines where the platform sets it up (the worker's and the beat's
+    #: handlers, ``logs.apply_to``): ``"plain"`` or ``"json"`` (one object per line).
+    log_format: str = "plain"
+
     # --- metrics (taskplatform.metrics) ---
     #: Bearer token Prometheus presents to ``/metrics`` (empty: staff sessions only).
     metrics_token: str = ""
@@ -92,11 +112,69 @@ class PlatformSettings:
 
 
 _FIELD_NAMES = {f.name for f in fields(PlatformSettings)}
+_TYPES: dict[str, type] = get_type_hints(PlatformSettings)
+#: Numeric settings that may be 0 (the others must be above 0).
+_MAY_BE_ZERO = frozenset({"retention_days", "beat_step_down_seconds", "beat_misfire_grace_seconds"})
+
+
+def unknown_settings() -> list[tuple[str, str | None]]:
+    """Django settings named ``TASKPLATFORM_*`` that are not platform settings, each with the
+    nearest valid name (None when nothing is close): a misspelt setting is otherwise ignored."""
+    valid = [PREFIX + name.upper() for name in sorted(_FIELD_NAMES)]
+    unknown = []
+    for key in dir(settings):
+        if key.startswith(PREFIX) and key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+            unknown.append((key, close[0] if close else None))
+    return unknown
+
+
+#: Settings whose value is one of a few strings.
+_CHOICES = {"log_format": ("plain", "json")}
+
+
+def _type_problem(name: str, value: Any) -> str | None:
+    expected = _TYPES[name]
+    key = PREFIX + name.upper()
+    if expected is bool:
+        ok = isinstance(value, bool)
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, getattr(expected, "__origin__", expected))
+    if not ok:
+        return f"{key} must be {_TYPE_NAMES.get(expected, 'a dict')}, not {value!r} ({type(value).__name__})"
+    if name in _CHOICES and value not in _CHOICES[name]:
+        return f"{key} must be one of {', '.join(map(repr, _CHOICES[name]))}, not {value!r}"
+    if expected in (int, float) and (value < 0 or (value == 0 and name not in _MAY_BE_ZERO)):
+        bound = "0 or more" if name in _MAY_BE_ZERO else "above 0"
+        return f"{key} must be {bound}, not {value!r}"
+    return None
+
+
+_TYPE_NAMES = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
+
+
+def settings_problems() -> list[str]:
+    """The ``TASKPLATFORM_*`` values of the wrong type or out of range (system check E002)."""
+    problems = []
+    for name in sorted(_FIELD_NAMES):
+        key = PREFIX + name.upper()
+        if hasattr(settings, key) and (problem := _type_problem(name, getattr(settings, key))) is not None:
+            problems.append(problem)
+    return problems
 
 
 @cache
 def platform_settings() -> PlatformSettings:
-    """The resolved settings, cached until a ``TASKPLATFORM_*`` setting changes."""
+    """The resolved settings, cached until a ``TASKPLATFORM_*`` setting changes.
+
+    A value of the wrong type or out of range raises ``ImproperlyConfigured`` naming it (the
+    worker and the beat refuse to start; ``manage.py check`` reports every such value)."""
+    if problems := settings_problems():
+        raise ImproperlyConfigured("; ".join(problems))
     values: dict[str, Any] = {}
     for name in _FIELD_NAMES:
         key = PREFIX + name.upper()
@@ -110,3 +188,49 @@ def _reset(setting: str, **kwargs: Any) -> None:
     """``override_settings`` in tests must see fresh values."""
     if setting.startswith(PREFIX):
         platform_settings.cache_clear()
+
+
+def reference_markdown() -> str:
+    """``docs/reference/settings.md``: every setting, its type, default and meaning, from the
+    ``#:`` comments above each field of ``PlatformSettings`` (the one place they are written)."""
+    docs: dict[str, str] = {}
+    sections: dict[str, str] = {}
+    comment: list[str] = []
+    section = "General"
+    for line in inspect.getsource(PlatformSettings).splitlines():
+        stripped = line.strip()
+        if heading := re.match(r"# --- (.+?) ---", stripped):
+            section = heading.group(1)[0].upper() + heading.group(1)[1:]
+        elif stripped.startswith("#:"):
+            comment.append(stripped[2:].strip())
+        elif field_match := re.match(r"(\w+): [^=]+=", stripped):
+            docs[field_match.group(1)] = " ".join(comment)
+            sections[field_match.group(1)] = section
+            comment = []
+        else:
+            comment = []
+    out = [
+        "# Settings reference",
+        "",
+        "Generated from `taskplatform.conf.PlatformSettings` (`.venv/bin/python -m taskplatform.conf > "
+        "docs/reference/settings.md`); a test keeps this page equal to the code. Each is a Django setting "
+        "named `TASKPLATFORM_<NAME>`. `manage.py check` reports an unknown `TASKPLATFORM_*` name (E001, with "
+        "the nearest valid one) and a value of the wrong type or out of range (E002); the worker and the beat "
+        "refuse to start with either of the latter.",
+    ]
+    current = None
+    for f in fields(PlatformSettings):
+        if sections[f.name] != current:
+            current = sections[f.name]
+            out += ["", f"## {current}", "", "| setting | type | default | meaning |", "|---|---|---|---|"]
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[operator]
+        kind = _TYPE_NAMES.get(_TYPES[f.name], "a dict")
+        meaning = docs[f.name].replace("``", "`").replace("|", "\\|")
+        out.append(f"| `{PREFIX}{f.name.upper()}` | {kind} | `{default!r}` | {meaning} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - the docs page's generator
+    import sys
+
+    sys.stdout.write(reference_markdown())

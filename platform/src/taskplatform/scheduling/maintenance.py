@@ -1,7 +1,12 @@
-"""The leader's maintenance duties, off the tick thread: the rescuer and ledger pruning.
+"""The fleet's maintenance duties, off any hot thread: the rescuer and ledger pruning.
 
-Without a leader these duties run nowhere, which is why they live with the beat: one
-process in the fleet runs them, and a successor picks them up when it takes over.
+One process in the fleet runs them: whichever holds the maintenance lease
+(``MAINTENANCE_LOCK`` on the beat's lock backend). Candidates are the beat leader
+(``LockedScheduler``) and every worker (``TASKPLATFORM_WORKER_MAINTENANCE``, on by default):
+a project that keeps its own scheduler, or none, still gets its lost messages republished,
+its parked retries published when due and its expired leases rescued. A holder that dies
+frees the lease when it expires (``MaintenanceLease``); another candidate takes it on its
+next look.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from datetime import timedelta
 from django.db import close_old_connections, connections
 from django.utils import timezone
 
-from ..conf import PlatformSettings
+from ..backends import get_lock_backend
+from ..backends.base import Lease, new_owner
+from ..conf import PlatformSettings, platform_settings
 from ..core import ledger
 from ..core.rescuer import run_rescuer
 
@@ -23,15 +30,62 @@ log = logging.getLogger("taskplatform.beat")
 
 #: Executions deleted per pruning transaction.
 PRUNE_BATCH = 1000
+#: The lease whose holder runs the maintenance duties.
+MAINTENANCE_LOCK = "taskplatform.maintenance"
+
+
+class MaintenanceLease:
+    """Whether this process holds the maintenance lease (``holds()`` is called every second).
+
+    The lease lasts ``TASKPLATFORM_BEAT_LEASE_SECONDS``; its holder renews it every third of
+    that, and a candidate that does not hold it tries every ``rescue_interval_seconds`` (a
+    fleet of workers costs the lock backend one request per worker per interval). A dead
+    holder's duties resume within the lease plus one interval. Released on ``release()``."""
+
+    def __init__(self, conf: PlatformSettings, identity: str | None = None) -> None:
+        self.conf = conf
+        self.identity = identity or new_owner()
+        self.ttl = float(conf.beat_lease_seconds)
+        self.lease: Lease | None = None
+        self._checked = float("-inf")
+
+    def holds(self) -> bool:
+        now = time.monotonic()
+        period = self.ttl / 3 if self.lease is not None else float(self.conf.rescue_interval_seconds)
+        if now - self._checked >= period:
+            self._checked = now
+            backend = get_lock_backend(self.conf.beat_lock_alias)
+            try:
+                if self.lease is not None:
+                    self.lease = backend.renew(self.lease, self.ttl)
+                if self.lease is None:
+                    self.lease = backend.acquire(MAINTENANCE_LOCK, self.ttl, identity=self.identity)
+                    if self.lease is not None:
+                        log.info("%s runs the maintenance duties (rescuer, pruning)", self.identity)
+            except Exception:  # an unreachable lock server: not the holder until it answers
+                log.warning("maintenance lease: the lock backend did not answer", exc_info=True)
+                self.lease = None
+        return self.lease is not None and self.lease.remaining() > 0
+
+    def release(self) -> None:
+        if self.lease is not None:
+            try:
+                get_lock_backend(self.conf.beat_lock_alias).release(self.lease)
+            except Exception:
+                log.warning("maintenance lease: could not release it (it expires)", exc_info=True)
+            self.lease = None
 
 
 class Maintenance(threading.Thread):
     """The leader's maintenance duties, off the tick thread: rescuer and ledger pruning."""
 
-    def __init__(self, conf: PlatformSettings, is_leading: Callable[[], bool]) -> None:
+    def __init__(
+        self, conf: PlatformSettings, is_leading: Callable[[], bool], lease: MaintenanceLease | None = None
+    ) -> None:
         super().__init__(name="taskplatform-maintenance", daemon=True)
         self.conf = conf
-        self.is_leading = is_leading
+        self.lease = lease or MaintenanceLease(conf)
+        self.is_leading = lambda: is_leading() and self.lease.holds()
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -62,4 +116,28 @@ class Maintenance(threading.Thread):
                 log.exception("beat maintenance pass failed; retrying next interval")
             finally:
                 close_old_connections()
+        self.lease.release()
         connections.close_all()  # this thread's connections
+
+
+#: The worker's maintenance thread (its main process), if it runs one.
+_worker_maintenance: Maintenance | None = None
+
+
+def start_worker_maintenance(sender: object = None, **kwargs: object) -> None:
+    """Celery's ``worker_ready``: run the maintenance duties from this worker when it holds the
+    lease (``TASKPLATFORM_WORKER_MAINTENANCE``)."""
+    global _worker_maintenance
+    conf = platform_settings()
+    if not conf.worker_maintenance or _worker_maintenance is not None:
+        return
+    _worker_maintenance = Maintenance(conf, is_leading=lambda: True)
+    _worker_maintenance.start()
+
+
+def stop_worker_maintenance(sender: object = None, **kwargs: object) -> None:
+    """Celery's ``worker_shutdown``: stop the thread and release the lease."""
+    global _worker_maintenance
+    if _worker_maintenance is not None:
+        _worker_maintenance.stop()
+        _worker_maintenance = None

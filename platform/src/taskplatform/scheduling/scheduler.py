@@ -114,6 +114,11 @@ class TickStats:
     lateness: list[float] = field(default_factory=list)
 
 
+#: The identity shown in ``celery beat``'s banner (its ``lazy`` instance), taken by the
+#: scheduler the same process then runs.
+_banner_identity: str | None = None
+
+
 class LockedScheduler(DatabaseScheduler):
     """django-celery-beat's ``DatabaseScheduler`` with a leader lease and slot-keyed publication."""
 
@@ -122,7 +127,13 @@ class LockedScheduler(DatabaseScheduler):
         problems = configuration_problems(self.conf)
         if problems:
             raise ImproperlyConfigured("LockedScheduler cannot start:\n  - " + "\n  - ".join(problems))
-        self.identity = new_owner()
+        # ``celery beat`` builds a throwaway instance (``lazy=True``) for its start-up banner,
+        # then the one that runs: the banner's identity is the one that will lead or follow.
+        global _banner_identity
+        if kwargs.get("lazy"):
+            self.identity = _banner_identity = new_owner()
+        else:
+            self.identity, _banner_identity = _banner_identity or new_owner(), None
         self.table: ScheduleTable | None = None
         self.stats = TickStats()
         self._leading = False

@@ -1,0 +1,88 @@
+"""The maintenance duties (the rescuer, pruning) run wherever the platform runs.
+
+Found adopting the app into a fresh project: only ``LockedScheduler``'s leader ran the
+rescuer, so with another scheduler (or none) a retry parked in the ledger stayed
+``RETRYING`` past its due time, and a message lost on the broker stayed ``PENDING``, until
+someone ran ``manage.py taskplatform rescue``. Workers are now candidates for the duties: one
+process in the fleet holds the maintenance lease and runs them; another takes over when it
+dies. No beat runs in these tests, and nothing here calls the rescuer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+from django.test import override_settings
+
+from taskplatform import submit
+from taskplatform.backends import get_lock_backend
+from taskplatform.checks import check_maintenance
+from taskplatform.models import Execution, ExecutionEvent, JobDefinition
+from taskplatform.scheduling.maintenance import MAINTENANCE_LOCK
+from tests.helpers import state_of, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+#: The workers take part in the duties and look every second; a delay above 1 s is parked.
+DUTY = {
+    "TASKPLATFORM_WORKER_MAINTENANCE": "1",
+    "TASKPLATFORM_RESCUE_INTERVAL_SECONDS": "1",
+    "TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS": "1",
+}
+
+
+def holder() -> str | None:
+    info = get_lock_backend().inspect(MAINTENANCE_LOCK)
+    return info.owner if info is not None else None
+
+
+def parked_retry(slug: str) -> Execution:
+    """An execution whose first attempt fails and whose retry (3 s) is parked in the ledger."""
+    job = JobDefinition.objects.create(
+        slug=slug, task="testapp.fails_then_succeeds", backoff_base_seconds=3, backoff_max_seconds=10, jitter=False
+    )
+    return submit(job, kwargs={"failures": 1})
+
+
+@pytest.mark.worker
+@pytest.mark.timeout(120)
+def test_without_a_beat_a_parked_retry_is_published_when_due_by_one_worker(workers: Any) -> None:
+    a = workers.start(concurrency=1, env=DUTY)
+    b = workers.start(concurrency=1, env=DUTY)
+    execution = parked_retry("parked-no-beat")
+    wait_for(lambda: state_of(execution.pk) == "RETRYING", timeout=30, what="the first failure")
+    row = Execution.objects.get(pk=execution.pk)
+    assert row.publish_count == 0, "the retry went to the broker: it must be parked for this test"
+    wait_for(lambda: state_of(execution.pk) == "SUCCEEDED", timeout=30, what="the parked retry, published when due")
+    assert ExecutionEvent.objects.get(execution=row, kind="republished").reason == "due"
+
+    # One worker holds the duties, not both.
+    owner = wait_for(holder, timeout=10, what="a holder of the maintenance lease")
+    pids = {str(a.pid), str(b.pid)}
+    assert any(f":{pid}#" in owner for pid in pids), owner
+    running = [w for w in (a, b) if f":{w.pid}#" in owner]
+    lines = [w for w in (a, b) if "runs the maintenance duties" in w.log()]
+    assert len(running) == 1 and lines == running, "exactly one worker took the duties"
+
+    # Its death hands them to the other within the lease (6 s) and one look (1 s).
+    (dead,) = running
+    (other,) = [w for w in (a, b) if w is not dead]
+    os.killpg(dead.pid, signal.SIGKILL)
+    wait_for(lambda: f":{other.pid}#" in (holder() or ""), timeout=20, what="the other worker taking over")
+    second = parked_retry("parked-after-takeover")
+    wait_for(lambda: state_of(second.pk) == "SUCCEEDED", timeout=40, what="a parked retry after the takeover")
+
+
+@override_settings(
+    TASKPLATFORM_WORKER_MAINTENANCE=False, CELERY_BEAT_SCHEDULER="django_celery_beat.schedulers:DatabaseScheduler"
+)
+def test_a_configuration_where_nothing_runs_the_rescuer_is_warned_about() -> None:
+    (warning,) = check_maintenance()
+    assert warning.id == "taskplatform.W017" and "nothing runs the rescuer" in warning.msg
+    with override_settings(CELERY_BEAT_SCHEDULER="taskplatform.beat.LockedScheduler"):
+        assert check_maintenance() == []
+    with override_settings(TASKPLATFORM_WORKER_MAINTENANCE=True):
+        assert check_maintenance() == []
