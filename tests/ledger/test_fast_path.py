@@ -215,18 +215,23 @@ def _prepared_statements() -> list[str]:
 def test_the_hot_statements_are_prepared_once_per_connection() -> None:
     """Django opens psycopg 3 connections with preparation off (``prepare_threshold`` None,
     which also ignores ``prepare=True``): the hot statements must be prepared all the same,
-    and Django's own statements must not be."""
+    and Django's own statements must not be, nor remembered by psycopg (with a threshold it
+    keeps the last hundred statement texts, Django's with their parameters inlined: a 1 MB
+    batch insert a time)."""
     pg_only()
     connection.ensure_connection()
     for i in range(3):
         _claim_and_succeed(f"prepared-{i}")
-    for _ in range(10):  # past psycopg's default threshold (5), had Django's statements one
-        Execution.objects.filter(idempotency_key="prepared-0").count()
+    for i in range(10):  # past psycopg's default threshold (5), had Django's statements one
+        Execution.objects.filter(idempotency_key=f"prepared-{i}").count()
     statements = _prepared_statements()
     assert any("INSERT INTO" in s and "AS e" in s for s in statements), statements  # create-and-claim
     assert any("SET state = 'SUCCEEDED'" in s for s in statements), statements
     assert any("state = 'RUNNING'," in s for s in statements), statements  # a submitted row's claim
     assert not any("COUNT(*)" in s for s in statements), "Django's own statements were prepared too"
+    conn = connection.connection
+    assert conn.prepare_threshold is None, "Django's connection keeps its own setting"
+    assert not conn._prepared._counts, "psycopg kept a record of Django's statements"
 
 
 def test_prepared_statements_can_be_turned_off_for_a_transaction_pooler(settings: Any) -> None:
@@ -237,6 +242,20 @@ def test_prepared_statements_can_be_turned_off_for_a_transaction_pooler(settings
     row = _claim_and_succeed("unprepared")
     assert row.state == State.SUCCEEDED
     assert _prepared_statements() == []
+
+
+def test_a_host_that_turned_preparation_off_in_its_database_options_is_obeyed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DATABASES[...]["OPTIONS"]["prepare_threshold"] = None`` is a host's deliberate choice
+    (Django's advice behind a pooler): the platform does not override it."""
+    pg_only()
+    options = {**connection.settings_dict.get("OPTIONS", {}), "prepare_threshold": None}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    connection.close()
+    try:
+        assert _claim_and_succeed("host-says-no").state == State.SUCCEEDED
+        assert _prepared_statements() == []
+    finally:
+        connection.close()
 
 
 def _alter_elsewhere(sql: str) -> None:
@@ -251,36 +270,54 @@ def _alter_elsewhere(sql: str) -> None:
         other.execute(sql)
 
 
+def _executions_of_prepared() -> dict[str, int]:
+    """How often each prepared statement of this connection ran (its plans, generic or custom)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name, generic_plans + custom_plans FROM pg_prepared_statements")
+        return dict(cursor.fetchall())
+
+
 def test_a_migration_that_changes_a_returned_column_does_not_break_a_running_worker() -> None:
     """A column the claim returns changes type while a worker runs (its statements prepared):
-    PostgreSQL refuses the prepared form ("cached plan must not change result type"). The
-    statement is prepared afresh and run again: the claim and the success hold, and the
-    statements stay prepared (not refused, then run again, on every call)."""
+    PostgreSQL refuses the prepared form ("cached plan must not change result type", whatever
+    the server's language: the SQLSTATE decides). The statement runs again, unprepared: the
+    claim and the success hold, and the connection runs them unprepared from then on (a
+    refusal on every call would double each round trip)."""
     pg_only()
     _claim_and_succeed("before-migration")
     table = Execution._meta.db_table
     _alter_elsewhere(f'ALTER TABLE "{table}" ALTER COLUMN "publish_count" TYPE bigint')
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        (altered_at,) = cursor.fetchone()
     try:
         row = _claim_and_succeed("after-migration")
         assert (row.state, row.result) == (State.SUCCEEDED, {"ok": "after-migration"})
+        runs = _executions_of_prepared()
         row = _claim_and_succeed("after-migration-2")
         assert row.state == State.SUCCEEDED
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT statement, prepare_time FROM pg_prepared_statements")
-            create = [at for statement, at in cursor.fetchall() if "INSERT INTO" in statement and "AS e" in statement]
-        assert create and create[0] >= altered_at, "the create-and-claim was not prepared again"
+        assert _executions_of_prepared() == runs, "the prepared forms are still used on this connection"
     finally:
         _alter_elsewhere(f'ALTER TABLE "{table}" ALTER COLUMN "publish_count" TYPE integer')
         connection.close()
 
 
+def test_prepared_statements_lost_behind_psycopgs_back_do_not_fail_the_ledger() -> None:
+    """The server forgets the prepared statements while psycopg still names them: a pooler
+    that moved the session, a ``DISCARD ALL`` (psycopg 3.2 does not notice a
+    ``DEALLOCATE ALL`` either). The claim and the success must hold, not fail with
+    "prepared statement does not exist": a plain call's message would be acknowledged with
+    no row, a finished body's success lost and the body run again."""
+    pg_only()
+    _claim_and_succeed("before-discard")
+    connection.connection.pgconn.exec_(b"DEALLOCATE ALL")  # not through psycopg: it does not know
+    row = _claim_and_succeed("after-discard")
+    assert (row.state, row.result) == (State.SUCCEEDED, {"ok": "after-discard"})
+    assert _claim_and_succeed("after-discard-2").state == State.SUCCEEDED
+    connection.close()
+
+
 def test_a_changed_result_type_inside_a_transaction_fails_the_transaction_not_the_ledger() -> None:
     """The same refusal inside a transaction (a row created in the caller's transaction): the
     transaction is aborted, so the statement is not run again there; the error reaches the
-    caller, nothing is written, and the next statement on the connection runs unprepared."""
+    caller, nothing is written, and the next statement on the connection works."""
     pg_only()
     from django.db import NotSupportedError
 

@@ -70,9 +70,26 @@ def test_non_positive_values_are_refused():
 
 @override_settings(TASKPLATFORM_LEASE_SECOND=30)
 def test_a_misspelt_setting_is_reported_with_the_nearest_valid_name():
-    """``TASKPLATFORM_LEASE_SECOND`` used to be ignored silently (the lease stayed 60 s)."""
-    (message,) = [m for m in check_settings() if m.id == "taskplatform.E001"]
+    """``TASKPLATFORM_LEASE_SECOND`` used to be ignored silently (the lease stayed 60 s). A
+    warning, not an error: a host may name settings of its own ``TASKPLATFORM_*``, and an error
+    would stop its ``migrate``."""
+    (message,) = [m for m in check_settings() if m.id == "taskplatform.W001"]
     assert "TASKPLATFORM_LEASE_SECOND" in message.msg and message.hint == "Did you mean TASKPLATFORM_LEASE_SECONDS?"
+    assert not message.is_serious()
+
+
+@override_settings(
+    TASKPLATFORM_LEASE_SECONDS=60.0, TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS=0, TASKPLATFORM_RETENTION_DAYS=0,
+    TASKPLATFORM_BEAT_CATCH_UP_WINDOW_SECONDS=0, TASKPLATFORM_PRUNE_INTERVAL_SECONDS=3600.0,
+)  # fmt: skip
+def test_values_that_worked_before_the_checks_still_work():
+    """A whole float for an integer (read as the integer) and the zeros that mean something
+    (park every delay in the ledger, keep every execution, no catch-up) are valid."""
+    from taskplatform.conf import platform_settings
+
+    assert check_settings() == []
+    conf = platform_settings()
+    assert conf.lease_seconds == 60 and type(conf.lease_seconds) is int and conf.max_broker_countdown_seconds == 0
 
 
 @pytest.mark.parametrize(

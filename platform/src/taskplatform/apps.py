@@ -31,20 +31,12 @@ class TaskPlatformConfig(AppConfig):
         super().import_models()
 
     def ready(self) -> None:
-        """Register the system checks; keep a job's pause switch and its django-celery-beat entry's
-        ``enabled`` one switch; make workers candidates for the maintenance duties; put the
-        console's overview on the admin's landing page."""
+        """Register the system checks; make workers candidates for the maintenance duties; put
+        the console's overview on the admin's landing page."""
+        from celery.signals import worker_init, worker_ready, worker_shutdown
         from django.contrib import admin
-        from django.db.models.signals import post_save
-        from django_celery_beat.models import PeriodicTask
 
         from . import checks  # noqa: F401
-        from .jobs import mirror_from_schedule
-
-        post_save.connect(mirror_from_schedule, sender=PeriodicTask, dispatch_uid="taskplatform.mirror_from_schedule")
-
-        from celery.signals import worker_init, worker_ready, worker_shutdown
-
         from .scheduling.maintenance import start_worker_maintenance, stop_worker_maintenance
 
         worker_init.connect(refuse_bad_settings, dispatch_uid="taskplatform.refuse_bad_settings")

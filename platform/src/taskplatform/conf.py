@@ -113,8 +113,16 @@ class PlatformSettings:
 
 _FIELD_NAMES = {f.name for f in fields(PlatformSettings)}
 _TYPES: dict[str, type] = get_type_hints(PlatformSettings)
-#: Numeric settings that may be 0 (the others must be above 0).
-_MAY_BE_ZERO = frozenset({"retention_days", "beat_step_down_seconds", "beat_misfire_grace_seconds"})
+#: Numeric settings that must be above 0 (the others may be 0: ``max_broker_countdown_seconds
+#: = 0`` parks every delay in the ledger, ``retention_days = 0`` keeps everything, ...).
+_POSITIVE = frozenset(
+    {
+        "max_args_bytes", "max_result_bytes", "max_key_length", "lease_seconds", "republish_after_seconds",
+        "republish_max_seconds", "rescue_batch_size", "rescue_interval_seconds", "beat_lease_seconds",
+        "beat_tick_seconds", "beat_sync_seconds", "beat_batch_size", "prune_interval_seconds",
+        "metrics_window_seconds",
+    }
+)  # fmt: skip
 
 
 def unknown_settings() -> list[tuple[str, str | None]]:
@@ -138,8 +146,10 @@ def _type_problem(name: str, value: Any) -> str | None:
     key = PREFIX + name.upper()
     if expected is bool:
         ok = isinstance(value, bool)
-    elif expected is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif expected is int:  # 60.0 is 60 (read back as an int by ``platform_settings``)
+        ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer()
+        )
     elif expected is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     else:
@@ -148,8 +158,8 @@ def _type_problem(name: str, value: Any) -> str | None:
         return f"{key} must be {_TYPE_NAMES.get(expected, 'a dict')}, not {value!r} ({type(value).__name__})"
     if name in _CHOICES and value not in _CHOICES[name]:
         return f"{key} must be one of {', '.join(map(repr, _CHOICES[name]))}, not {value!r}"
-    if expected in (int, float) and (value < 0 or (value == 0 and name not in _MAY_BE_ZERO)):
-        bound = "0 or more" if name in _MAY_BE_ZERO else "above 0"
+    if expected in (int, float) and (value < 0 or (value == 0 and name in _POSITIVE)):
+        bound = "above 0" if name in _POSITIVE else "0 or more"
         return f"{key} must be {bound}, not {value!r}"
     return None
 
@@ -179,7 +189,8 @@ def platform_settings() -> PlatformSettings:
     for name in _FIELD_NAMES:
         key = PREFIX + name.upper()
         if hasattr(settings, key):
-            values[name] = getattr(settings, key)
+            value = getattr(settings, key)
+            values[name] = int(value) if _TYPES[name] is int else value
     return PlatformSettings(**values)
 
 
@@ -214,9 +225,9 @@ def reference_markdown() -> str:
         "",
         "Generated from `taskplatform.conf.PlatformSettings` (`.venv/bin/python -m taskplatform.conf > "
         "docs/reference/settings.md`); a test keeps this page equal to the code. Each is a Django setting "
-        "named `TASKPLATFORM_<NAME>`. `manage.py check` reports an unknown `TASKPLATFORM_*` name (E001, with "
-        "the nearest valid one) and a value of the wrong type or out of range (E002); the worker and the beat "
-        "refuse to start with either of the latter.",
+        "named `TASKPLATFORM_<NAME>`. `manage.py check` warns of an unknown `TASKPLATFORM_*` name (W001, with "
+        "the nearest valid one) and reports a value of the wrong type or out of range (E002); the worker and the "
+        "beat refuse to start with the latter.",
     ]
     current = None
     for f in fields(PlatformSettings):

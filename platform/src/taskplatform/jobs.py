@@ -17,7 +17,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
-from django_celery_beat.models import ClockedSchedule, CrontabSchedule, IntervalSchedule, PeriodicTask
+from django_celery_beat.models import ClockedSchedule, CrontabSchedule, IntervalSchedule, PeriodicTask, PeriodicTasks
 
 from .core.audit import audit
 from .core.validation import encode_arguments, resolve_task
@@ -215,34 +215,19 @@ def set_enabled(job: JobDefinition, enabled: bool, *, user: str, reason: str) ->
 
 def _mirror_to_schedule(periodic_task_id: int | None, enabled: bool) -> None:
     """Keep the job's django-celery-beat entry's ``enabled`` equal to the job's: its pages show
-    the same switch the console does. Saved (not ``update()``d) so django-celery-beat records
-    the change as its own edits are."""
+    the switch the console does. One direction only: django-celery-beat disables entries
+    itself (a one-off that ran, an expired one), which must not pause a job; an entry
+    disabled there is simply not run (an entry runs when both switches are on). Written as
+    django-celery-beat writes a disabled entry (``last_run_at`` cleared, so a resumed entry is
+    not due at once under its ``DatabaseScheduler``), with its change mark bumped, and
+    without its ``save()``, whose validation of unrelated fields must not stop a pause."""
     if periodic_task_id is None:
         return
-    periodic = PeriodicTask.objects.filter(pk=periodic_task_id).first()
-    if periodic is not None and periodic.enabled != enabled:
-        periodic.enabled = enabled
-        periodic.save(update_fields=["enabled"])
-
-
-def mirror_from_schedule(sender: Any, instance: PeriodicTask, **kwargs: Any) -> None:
-    """``post_save`` of a ``PeriodicTask``: a job's entry enabled or disabled in
-    django-celery-beat's own admin pauses or resumes the job, audited. (Its bulk actions
-    update rows without saving them: the beat still honours them, an entry runs only when
-    both switches are on.)"""
-    job = JobDefinition.objects.filter(periodic_task_id=instance.pk).first()
-    if job is None or job.enabled == instance.enabled:
-        return
-    with transaction.atomic():
-        if JobDefinition.objects.filter(pk=job.pk, enabled=not instance.enabled).update(
-            enabled=instance.enabled, updated_at=timezone.now()
-        ):
-            audit(
-                "django-celery-beat",
-                "resume_job" if instance.enabled else "pause_job",
-                f"job:{job.slug}",
-                f"its schedule entry {instance.name!r} was {'enabled' if instance.enabled else 'disabled'}",
-            )
+    fields: dict[str, Any] = {"enabled": enabled, "date_changed": timezone.now()}
+    if not enabled:
+        fields["last_run_at"] = None
+    if PeriodicTask.objects.filter(pk=periodic_task_id).exclude(enabled=enabled).update(**fields):
+        PeriodicTasks.update_changed()
 
 
 def duplicate_job(job: JobDefinition, *, user: str, new_slug: str) -> JobDefinition:

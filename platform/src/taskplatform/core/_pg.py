@@ -77,27 +77,31 @@ def _raw_cursor_allowed(db: BaseDatabaseWrapper) -> bool:
     return getattr(loader, "timezone", None) == db.timezone
 
 
-#: ``prepare_threshold`` given to a connection Django opened with none (its default, which
-#: turns psycopg's preparation off even for ``prepare=True``): only statements executed with
-#: ``prepare=True`` (these) are prepared; Django's own never reach the threshold.
+#: ``prepare_threshold`` lent to a connection Django opened with none (its default, which makes
+#: psycopg ignore ``prepare=True`` too) for the time of one hot statement, then taken back: only
+#: these statements are prepared, and psycopg keeps no record of Django's own (with a threshold
+#: it remembers the last hundred statement texts, each with its parameters inlined by Django).
 _ONLY_WHEN_ASKED = sys.maxsize
+
+#: SQLSTATEs of a prepared statement the server no longer has in the form psycopg knows: its
+#: result changed type (0A000, "cached plan must not change result type": a migration altered
+#: a returned column while this process ran), it is gone (26000: a pooler moved the session to
+#: another server connection, or ``DISCARD ALL``/``DEALLOCATE ALL`` ran behind psycopg's back),
+#: or its name is taken (42P05: a pooler's server connection holds another client's).
+_PREPARED_STATEMENT_LOST = frozenset({"0A000", "26000", "42P05"})
 
 
 def _prepared(db: BaseDatabaseWrapper) -> bool:
-    """Whether ``_run`` prepares its statement on ``db``'s connection (``prepared_statements``),
-    enabling psycopg's preparation on it if Django left it off."""
-    conn = db.connection
+    """Whether ``_run`` prepares its statement on ``db``'s connection: ``prepared_statements``
+    on, no ``prepare_threshold: None`` in the database's ``OPTIONS`` (a host that turned
+    psycopg's preparation off on purpose, say for a pooler), and no prepared statement lost on
+    this connection yet (it then runs them unprepared until it is replaced)."""
     if not platform_settings().prepared_statements:
         return False
-    if conn.prepare_threshold is None:
-        conn.prepare_threshold = _ONLY_WHEN_ASKED
-    return True
-
-
-def _result_type_changed(exc: Exception) -> bool:
-    """PostgreSQL refuses a prepared statement whose result columns changed type since it was
-    prepared (a migration altered a returned column while this process ran)."""
-    return getattr(exc, "sqlstate", None) == "0A000" and "cached plan must not change result type" in str(exc)
+    options = db.settings_dict.get("OPTIONS") or {}
+    if "prepare_threshold" in options and options["prepare_threshold"] is None:
+        return False
+    return db.__dict__.get("_tp_unprepared") is not db.connection
 
 
 def _run(sql: str, params: Sequence[Any] | dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -110,13 +114,12 @@ def _run(sql: str, params: Sequence[Any] | dict[str, Any]) -> list[tuple[Any, ..
 
     Prepared once per connection (``TASKPLATFORM_PREPARED_STATEMENTS``, on by default): parse,
     analysis and planning were half of PostgreSQL's CPU for these statements, measured
-    (787 → 337 µs a task, wall time per task in a worker 1.60 → 1.19 ms). Turn it off behind a
-    PgBouncer in transaction mode that does not track prepared statements (before 1.21, or
-    ``max_prepared_statements = 0``). A migration that changes the type of a returned column
-    makes PostgreSQL refuse the prepared form ("cached plan must not change result type"): a
-    statement refused outside a transaction is prepared afresh and run again at once
-    (refused, it did nothing); inside one, the error reaches the caller, whose rollback makes
-    psycopg forget the stale forms.
+    (787 → 337 µs a task, wall time per task in a worker 1.60 → 1.19 ms). When the server no
+    longer has a statement in its prepared form (``_PREPARED_STATEMENT_LOST``: a migration, a
+    pooler, a ``DISCARD ALL``), refused, it did nothing: outside a transaction it is run again
+    at once, unprepared; inside one, the transaction is aborted and the error reaches the
+    caller. Either way this connection runs the hot statements unprepared from then on (a
+    refusal is not repeated on every call), until it is replaced.
 
     It does what Django's cursor does first: the health check, the connection, the thread
     check and the broken-transaction check (a statement in an atomic block marked for
@@ -138,18 +141,23 @@ def _run(sql: str, params: Sequence[Any] | dict[str, Any]) -> list[tuple[Any, ..
         db.validate_thread_sharing()
         conn = db.connection
         prepare = _prepared(db)
+        lent = prepare and conn.prepare_threshold is None
         with psycopg.Cursor(conn) as cursor:
             try:
-                cursor.execute(sql, params, prepare=prepare)
-            except psycopg.errors.FeatureNotSupported as exc:
-                if not (prepare and _result_type_changed(exc)) or db.in_atomic_block or not conn.autocommit:
-                    # Inside a transaction it is aborted: the caller's error handling decides,
-                    # and psycopg forgets its prepared statements at the rollback.
+                if lent:
+                    conn.prepare_threshold = _ONLY_WHEN_ASKED
+                try:
+                    cursor.execute(sql, params, prepare=prepare)
+                finally:
+                    if lent:
+                        conn.prepare_threshold = None
+            except psycopg.Error as exc:
+                if not prepare or exc.sqlstate not in _PREPARED_STATEMENT_LOST:
                     raise
-                # Refused, it did nothing: forget the stale forms (psycopg clears its own
-                # record when it sees this) and run the statement again, prepared afresh.
-                conn.execute("DEALLOCATE ALL")
-                cursor.execute(sql, params, prepare=True)
+                db.__dict__["_tp_unprepared"] = conn
+                if db.in_atomic_block or not conn.autocommit:
+                    raise
+                cursor.execute(sql, params, prepare=False)
             return cursor.fetchall()
 
 

@@ -141,9 +141,11 @@ MAX_HEADER_LEASE_SECONDS = 7 * 24 * 3600
 
 def _retry_message(delay: float, exc: BaseException) -> str:
     """What Celery logs for a scheduled retry: where it waits (the ledger schedules it)."""
+    from celery.utils.saferepr import saferepr  # as Celery's own lines: a broken __repr__ cannot raise here
+
     if delay <= platform_settings().max_broker_countdown_seconds:
-        return f"Retry in {delay:.1f}s (published with a broker countdown): {exc!r}"
-    return f"Retry in {delay:.1f}s (parked in the ledger; the rescuer publishes it when due): {exc!r}"
+        return f"Retry in {delay:.1f}s (published with a broker countdown): {saferepr(exc)}"
+    return f"Retry in {delay:.1f}s (parked in the ledger; the rescuer publishes it when due): {saferepr(exc)}"
 
 
 def _header_lease(headers: dict[str, Any]) -> int | None:
@@ -359,7 +361,10 @@ class IdempotentTask(Task):
         if claim is None:
             return None
         execution = claim.execution
-        remember_task(request.id, execution.pk, execution.idempotency_key, claim.token)
+        # An absorbed duplicate holds no token of its own (claim.token is the running attempt's).
+        remember_task(
+            request.id, execution.pk, execution.idempotency_key, claim.token if claim.outcome == "claimed" else None
+        )
         with execution_context(execution.pk, execution.idempotency_key, claim.token):
             return self._run_claimed(request, claim, worker, args, kwargs)
 
