@@ -52,8 +52,6 @@ class PlatformSettings:
     #: leader: one process in the fleet holds their lease and runs them, whatever scheduler
     #: the project uses. False only when a ``LockedScheduler`` beat always runs.
     worker_maintenance: bool = True
-    #: Queue the rescuer task is published to when beat drives it (empty: Celery's default).
-    rescue_queue: str = ""
     #: Lock backends by alias, like ``CACHES``: ``{"default": {"BACKEND": "...", "OPTIONS": {...}}}``.
     lock_backends: dict[str, Any] = field(default_factory=dict)
     #: The default lock backend as a URL (used when ``lock_backends`` has no ``default``):
