@@ -50,6 +50,7 @@ def test_body_and_platform_lines_carry_the_execution(json_lines: io.StringIO) ->
         assert line["idempotency_key"] == execution.idempotency_key
         assert line["level"] and line["ts"] and line["logger"].startswith("taskplatform")
     assert body["fencing_token"] == 1
+    assert absorbed["fencing_token"] is None, "an absorbed duplicate holds no token of its own"
 
 
 def test_outside_an_execution_the_fields_are_present_and_empty(json_lines: io.StringIO) -> None:

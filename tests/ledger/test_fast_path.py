@@ -259,8 +259,7 @@ def test_a_host_that_turned_preparation_off_in_its_database_options_is_obeyed(mo
 
 
 def _alter_elsewhere(sql: str) -> None:
-    """Run ``sql`` on another connection, as a migration run by a deploy would (psycopg drops
-    its prepared statements itself when it sees an ``ALTER`` on its own connection)."""
+    """Run ``sql`` on another connection, as a migration run by a deploy would."""
     import psycopg
 
     params = connection.get_connection_params()
@@ -277,7 +276,7 @@ def _executions_of_prepared() -> dict[str, int]:
         return dict(cursor.fetchall())
 
 
-def test_a_migration_that_changes_a_returned_column_does_not_break_a_running_worker() -> None:
+def test_a_migration_that_changes_a_returned_column_does_not_break_a_running_worker(fresh_marks: None) -> None:
     """A column the claim returns changes type while a worker runs (its statements prepared):
     PostgreSQL refuses the prepared form ("cached plan must not change result type", whatever
     the server's language: the SQLSTATE decides). The statement runs again, unprepared: the
@@ -299,7 +298,16 @@ def test_a_migration_that_changes_a_returned_column_does_not_break_a_running_wor
         connection.close()
 
 
-def test_prepared_statements_lost_behind_psycopgs_back_do_not_fail_the_ledger() -> None:
+@pytest.fixture
+def fresh_marks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process-wide marks a lost statement leaves, for this test only."""
+    import weakref
+
+    monkeypatch.setattr(_pg, "_UNPREPARED_ALIASES", set())
+    monkeypatch.setattr(_pg, "_UNPREPARED_CONNECTIONS", weakref.WeakSet())
+
+
+def test_prepared_statements_lost_behind_psycopgs_back_do_not_fail_the_ledger(fresh_marks: None) -> None:
     """The server forgets the prepared statements while psycopg still names them: a pooler
     that moved the session, a ``DISCARD ALL`` (psycopg 3.2 does not notice a
     ``DEALLOCATE ALL`` either). The claim and the success must hold, not fail with
@@ -314,7 +322,27 @@ def test_prepared_statements_lost_behind_psycopgs_back_do_not_fail_the_ledger() 
     connection.close()
 
 
-def test_a_changed_result_type_inside_a_transaction_fails_the_transaction_not_the_ledger() -> None:
+def test_a_poolers_loss_inside_a_transaction_fails_it_once_then_the_process_stops_preparing(fresh_marks: None) -> None:
+    """Behind a transaction-mode pooler that does not keep prepared statements, a statement in
+    a transaction (a submission in the caller's transaction, an atomic body's success) finds
+    its prepared form gone: that transaction fails (it cannot be retried inside it), and from
+    then on every connection of the database in this process runs the statements unprepared,
+    so the pooler costs one failure a process, not one a connection."""
+    pg_only()
+    from django.db import ProgrammingError
+
+    _claim_and_succeed("before-pooler")
+    connection.connection.pgconn.exec_(b"DEALLOCATE ALL")  # what a pooler's switch of server connection looks like
+    with pytest.raises(ProgrammingError), transaction.atomic():
+        ledger.create(ledger.NewExecution("in-pooled-tx", "testapp.effect", [], {}))
+    assert not Execution.objects.filter(idempotency_key="in-pooled-tx").exists()
+    connection.close()  # a new connection of the same database
+    assert _claim_and_succeed("after-pooler").state == State.SUCCEEDED
+    assert _prepared_statements() == [], "the new connection still prepares"
+    connection.close()
+
+
+def test_a_changed_result_type_inside_a_transaction_fails_the_transaction_not_the_ledger(fresh_marks: None) -> None:
     """The same refusal inside a transaction (a row created in the caller's transaction): the
     transaction is aborted, so the statement is not run again there; the error reaches the
     caller, nothing is written, and the next statement on the connection works."""

@@ -59,7 +59,8 @@ class PlatformSettings:
     lock_url: str = "db://"
     #: PostgreSQL (psycopg 3): the ledger's hot statements (claim, success, insert) are
     #: prepared once per connection. False behind a PgBouncer in transaction mode that does
-    #: not track prepared statements (before 1.21, or ``max_prepared_statements = 0``).
+    #: not track prepared statements (before 1.22, or ``max_prepared_statements = 0``);
+    #: otherwise the first loss there fails a transaction, then the process stops preparing.
     prepared_statements: bool = True
 
     # --- the beat (taskplatform.beat.LockedScheduler) ---

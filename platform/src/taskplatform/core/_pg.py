@@ -21,7 +21,9 @@ Private to ``core.ledger`` (an import-linter contract keeps it so).
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import weakref
 from collections.abc import Sequence
 from dataclasses import fields as dataclass_fields
 from datetime import datetime
@@ -35,6 +37,8 @@ from django.db.models import Field, Model
 from ..conf import platform_settings
 from ..models import Execution, ExecutionEvent
 from .types import Delivery, NewExecution
+
+log = logging.getLogger("taskplatform.ledger")
 
 
 def enabled() -> bool:
@@ -83,25 +87,32 @@ def _raw_cursor_allowed(db: BaseDatabaseWrapper) -> bool:
 #: it remembers the last hundred statement texts, each with its parameters inlined by Django).
 _ONLY_WHEN_ASKED = sys.maxsize
 
-#: SQLSTATEs of a prepared statement the server no longer has in the form psycopg knows: its
-#: result changed type (0A000, "cached plan must not change result type": a migration altered
-#: a returned column while this process ran), it is gone (26000: a pooler moved the session to
-#: another server connection, or ``DISCARD ALL``/``DEALLOCATE ALL`` ran behind psycopg's back),
-#: or its name is taken (42P05: a pooler's server connection holds another client's).
-_PREPARED_STATEMENT_LOST = frozenset({"0A000", "26000", "42P05"})
+#: SQLSTATE of a prepared statement whose result changed type ("cached plan must not change
+#: result type": a migration altered a returned column while this process ran).
+_RESULT_TYPE_CHANGED = "0A000"
+#: SQLSTATEs of a prepared statement the server does not have: gone (26000: a pooler moved the
+#: session to another server connection, or ``DISCARD ALL`` ran behind psycopg's back), or its
+#: name taken (42P05: a pooler's server connection holds another client's statements).
+_NOT_ON_THE_SERVER = frozenset({"26000", "42P05"})
+#: psycopg connections that lost a prepared statement: they run the hot statements unprepared
+#: until they are closed (weak: a pooled connection is marked for as long as it lives).
+_UNPREPARED_CONNECTIONS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Database aliases behind something that loses prepared statements (a transaction-mode
+#: pooler): this process runs their hot statements unprepared from the first loss on.
+_UNPREPARED_ALIASES: set[str] = set()
 
 
 def _prepared(db: BaseDatabaseWrapper) -> bool:
     """Whether ``_run`` prepares its statement on ``db``'s connection: ``prepared_statements``
     on, no ``prepare_threshold: None`` in the database's ``OPTIONS`` (a host that turned
     psycopg's preparation off on purpose, say for a pooler), and no prepared statement lost on
-    this connection yet (it then runs them unprepared until it is replaced)."""
+    this connection, nor one of the kind a pooler causes on any connection of this alias."""
     if not platform_settings().prepared_statements:
         return False
     options = db.settings_dict.get("OPTIONS") or {}
     if "prepare_threshold" in options and options["prepare_threshold"] is None:
         return False
-    return db.__dict__.get("_tp_unprepared") is not db.connection
+    return db.alias not in _UNPREPARED_ALIASES and db.connection not in _UNPREPARED_CONNECTIONS
 
 
 def _run(sql: str, params: Sequence[Any] | dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -118,8 +129,11 @@ def _run(sql: str, params: Sequence[Any] | dict[str, Any]) -> list[tuple[Any, ..
     longer has a statement in its prepared form (``_PREPARED_STATEMENT_LOST``: a migration, a
     pooler, a ``DISCARD ALL``), refused, it did nothing: outside a transaction it is run again
     at once, unprepared; inside one, the transaction is aborted and the error reaches the
-    caller. Either way this connection runs the hot statements unprepared from then on (a
-    refusal is not repeated on every call), until it is replaced.
+    caller (an atomic attempt is then rescued and run again). Either way this connection runs
+    the hot statements unprepared from then on; after a loss of the pooler's kind (26000,
+    42P05) every connection of that database in this process does, so a pooler costs one
+    failure a process. Behind PgBouncer in transaction mode before 1.22 (or with
+    ``max_prepared_statements = 0``), set ``TASKPLATFORM_PREPARED_STATEMENTS = False``.
 
     It does what Django's cursor does first: the health check, the connection, the thread
     check and the broken-transaction check (a statement in an atomic block marked for
@@ -152,9 +166,18 @@ def _run(sql: str, params: Sequence[Any] | dict[str, Any]) -> list[tuple[Any, ..
                     if lent:
                         conn.prepare_threshold = None
             except psycopg.Error as exc:
-                if not prepare or exc.sqlstate not in _PREPARED_STATEMENT_LOST:
+                if not prepare or not (exc.sqlstate == _RESULT_TYPE_CHANGED or exc.sqlstate in _NOT_ON_THE_SERVER):
                     raise
-                db.__dict__["_tp_unprepared"] = conn
+                _UNPREPARED_CONNECTIONS.add(conn)
+                if exc.sqlstate in _NOT_ON_THE_SERVER and db.alias not in _UNPREPARED_ALIASES:
+                    _UNPREPARED_ALIASES.add(db.alias)
+                    log.warning(
+                        "a prepared statement was lost on database %r (%s): a transaction-mode pooler? "
+                        "This process runs the ledger's statements unprepared from now on; set "
+                        "TASKPLATFORM_PREPARED_STATEMENTS = False to avoid the first failure.",
+                        db.alias,
+                        exc.sqlstate,
+                    )
                 if db.in_atomic_block or not conn.autocommit:
                     raise
                 cursor.execute(sql, params, prepare=False)

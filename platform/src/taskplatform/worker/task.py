@@ -362,10 +362,9 @@ class IdempotentTask(Task):
             return None
         execution = claim.execution
         # An absorbed duplicate holds no token of its own (claim.token is the running attempt's).
-        remember_task(
-            request.id, execution.pk, execution.idempotency_key, claim.token if claim.outcome == "claimed" else None
-        )
-        with execution_context(execution.pk, execution.idempotency_key, claim.token):
+        own_token = claim.token if claim.outcome == "claimed" else None
+        remember_task(request.id, execution.pk, execution.idempotency_key, own_token)
+        with execution_context(execution.pk, execution.idempotency_key, own_token):
             return self._run_claimed(request, claim, worker, args, kwargs)
 
     def _run_claimed(
