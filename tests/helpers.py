@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -89,3 +91,31 @@ def tally(executions: Any, *, starts: Callable[[str], int] | None = None) -> dic
         "lost": len(keys) - final,
         "duplicates": sum(max(0, n - 1) for n in effects.values()),
     }
+
+
+@contextlib.contextmanager
+def result_backend_at(url: str) -> Iterator[None]:
+    """This process's Celery app (the publishing side) uses the result backend at ``url``."""
+    from celery import current_app
+
+    previous_env = os.environ.get("CELERY_RESULT_BACKEND")
+    previous = current_app.conf.result_backend
+    os.environ["CELERY_RESULT_BACKEND"] = url  # Celery's Settings prefer the environment
+    current_app.conf.result_backend = url
+    _forget_backend(current_app)
+    try:
+        yield
+    finally:
+        if previous_env is None:
+            os.environ.pop("CELERY_RESULT_BACKEND", None)
+        else:
+            os.environ["CELERY_RESULT_BACKEND"] = previous_env
+        current_app.conf.result_backend = previous
+        _forget_backend(current_app)
+
+
+def _forget_backend(app: Any) -> None:
+    """Make ``app.backend`` be built again from the configuration (Celery caches it per app,
+    or per thread for a backend that is not thread-safe)."""
+    app._backend_cache = None
+    app._local.__dict__.pop("backend", None)

@@ -27,7 +27,7 @@ from taskplatform.models import Execution, ExecutionEvent
 from tests.chaos.rabbit import RabbitNode
 from tests.chaos.rabbit import missing as rabbit_missing
 from tests.conftest import IN_CI, RedisServer
-from tests.helpers import state_of
+from tests.helpers import result_backend_at, state_of
 from tests.testapp.models import Effect, EffectRaw
 
 pytestmark = [pytest.mark.worker, pytest.mark.fault]
@@ -419,34 +419,6 @@ def test_a_broker_hung_for_30_seconds_under_load_runs_everything_once(
 
 
 # --- scenario 12: the result backend goes away ----------------------------------------------
-
-
-@contextlib.contextmanager
-def result_backend_at(url: str) -> Iterator[None]:
-    """This process's Celery app (the publishing side) uses the result backend at ``url``."""
-    from celery import current_app
-
-    previous_env = os.environ.get("CELERY_RESULT_BACKEND")
-    previous = current_app.conf.result_backend
-    os.environ["CELERY_RESULT_BACKEND"] = url  # Celery's Settings prefer the environment
-    current_app.conf.result_backend = url
-    _forget_backend(current_app)
-    try:
-        yield
-    finally:
-        if previous_env is None:
-            os.environ.pop("CELERY_RESULT_BACKEND", None)
-        else:
-            os.environ["CELERY_RESULT_BACKEND"] = previous_env
-        current_app.conf.result_backend = previous
-        _forget_backend(current_app)
-
-
-def _forget_backend(app: Any) -> None:
-    """Make ``app.backend`` be built again from the configuration (Celery caches it per app,
-    or per thread for a backend that is not thread-safe)."""
-    app._backend_cache = None
-    app._local.__dict__.pop("backend", None)
 
 
 @pytest.fixture

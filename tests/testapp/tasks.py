@@ -295,3 +295,10 @@ def effect_elsewhere(self: IdempotentTask, gate_file: str) -> None:
         time.sleep(0.05)
     connection.close()  # whatever the old connection's fate, the effect goes out on a new one
     Effect.objects.create(key=self.idempotency_key, fencing_token=self.fencing_token or 0)
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.doubled_with_result", ignore_result=False)
+def doubled_with_result(self: IdempotentTask, n: int) -> int:
+    """Keeps its result in Celery's result backend too (``ignore_result=False``): the
+    ``.delay().get()`` pattern of an existing project."""
+    return 2 * n
