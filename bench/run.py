@@ -58,7 +58,7 @@ VARIANTS = {
     "once": "Celery + celery-once (Redis lock)",
     "ledger": "taskplatform IdempotentTask + submit() (PostgreSQL ledger)",
     "ledger_delay": "taskplatform IdempotentTask + plain .delay() (worker makes row)",
-    "procrastinate": "Procrastinate (PostgreSQL queue, Django contrib), concurrency 2",
+    "procrastinate": "Procrastinate (PostgreSQL queue, Django contrib)",
 }
 BODY_DESCRIPTIONS = {
     "noop": "no-op",
