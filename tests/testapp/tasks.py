@@ -52,6 +52,21 @@ def effect(self: IdempotentTask, seconds: float = 0.0, gate: str = "") -> dict[s
     return {"pid": os.getpid(), "token": self.fencing_token}
 
 
+@shared_task(base=IdempotentTask, bind=True, name="testapp.effect_losing_prepared_statements")
+def effect_losing_prepared_statements(self: IdempotentTask) -> None:
+    """Record an attempt and commit its effect, having made the server forget every prepared
+    statement of this worker's connection behind psycopg's back (what a transaction-mode
+    pooler's switch of server connection, or a ``DISCARD ALL``, looks like to the client): the
+    ledger's success, prepared on an earlier task, is then refused by the server."""
+    from django.db import connection
+
+    _raw(self, "started")
+    connection.ensure_connection()
+    connection.connection.pgconn.exec_(b"DEALLOCATE ALL")  # not through psycopg: it must not know
+    Effect.objects.create(key=self.idempotency_key, fencing_token=self.fencing_token or 0)
+    _raw(self, "done")
+
+
 def _log_start(task: IdempotentTask) -> None:
     """Record a body start outside the database transaction (a Redis list, no constraint), so an
     atomic body's start is counted even when its transaction rolls back."""
