@@ -54,3 +54,41 @@ def test_the_required_apps_are_enough(tmp_path: Path) -> None:
     ]  # fmt: skip
     done = setup_with(tmp_path, apps)
     assert done.returncode == 0 and done.stdout.strip() == "ready", done.stderr
+
+
+FULL_APPS = [
+    "django.contrib.admin", "django.contrib.auth", "django.contrib.contenttypes", "django.contrib.sessions",
+    "django.contrib.messages", "django_celery_beat", "taskplatform",
+]  # fmt: skip
+
+#: A project's ``celery.py`` as Celery's guide writes it, with a task defined in it: the
+#: package's ``__init__`` imports it before Django has loaded any app.
+CELERY_PY_WITH_A_TASK = """
+from celery import Celery
+from taskplatform.tasks import IdempotentTask
+
+app = Celery("adopting")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+
+
+@app.task(base=IdempotentTask, bind=True, name="adopting.early")
+def early(self, n):
+    return n
+
+import django
+
+django.setup()
+from taskplatform.models import Execution
+
+print("ready", early.name, isinstance(early, IdempotentTask), Execution._meta.label)
+"""
+
+
+def test_the_task_base_imports_before_django_setup(tmp_path: Path) -> None:
+    (tmp_path / "adopting_settings.py").write_text(SETTINGS.format(apps=FULL_APPS))
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "adopting_settings", "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", CELERY_PY_WITH_A_TASK], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ready", "adopting.early", "True", "taskplatform.Execution"]

@@ -9,9 +9,6 @@ from celery import Task, shared_task
 from celery.exceptions import Reject
 from django.db import DatabaseError
 
-from ..core.rescuer import run_rescuer
-from ..core.submission import submit
-from ..models import JobDefinition, Trigger
 from .task import REQUEUE_PAUSE_SECONDS
 
 log = logging.getLogger("taskplatform.tasks")
@@ -20,6 +17,8 @@ log = logging.getLogger("taskplatform.tasks")
 @shared_task(name="taskplatform.rescue", ignore_result=True, acks_late=False)
 def rescue() -> dict[str, int]:
     """Periodic maintenance: publish due rows, re-publish lost ones, rescue expired leases."""
+    from ..core.rescuer import run_rescuer  # models: not before django.setup() (``worker/lazy.py``)
+
     return run_rescuer().as_dict()
 
 
@@ -41,6 +40,9 @@ def trigger_job(self: Task, slug: str) -> int | None:
 
 
 def _trigger(self: Task, slug: str) -> int | None:
+    from ..core.submission import submit  # models: not before django.setup() (``worker/lazy.py``)
+    from ..models import JobDefinition, Trigger
+
     job = JobDefinition.objects.filter(slug=slug).first()
     if job is None:
         log.error("trigger for an unknown job %r ignored", slug)

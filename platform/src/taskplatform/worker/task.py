@@ -33,21 +33,28 @@ from django.db import InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from ..conf import platform_settings
-from ..core import ledger
-from ..core.leases import Watch, lease_keeper
 from ..core.publisher import HEADER_EXECUTION, HEADER_LEASE
-from ..core.submission import submit
-from ..core.types import Claim, Delivery, NewExecution
 from ..core.validation import encode_result, is_idempotent
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP, resolve_error_classes
 from ..exceptions import IdempotencyKeyConflictError, StaleExecutionError
-from ..models import Trigger
 from ..observability.logs import execution_context, remember_task
+from .lazy import lazy_module
 from .owner import owner_alive, worker_identity
 from .retry import RetryPolicy
 
 if TYPE_CHECKING:
+    from .. import models
+    from ..core import leases, ledger, submission
+    from ..core import types as core_types
     from ..models import Execution, JobDefinition
+else:
+    # Loaded at first use: this module (``taskplatform.tasks``) must import before
+    # ``django.setup()``, and these define or import Django models (``worker/lazy.py``).
+    models = lazy_module("taskplatform.models")
+    leases = lazy_module("taskplatform.core.leases")
+    ledger = lazy_module("taskplatform.core.ledger")
+    submission = lazy_module("taskplatform.core.submission")
+    core_types = lazy_module("taskplatform.core.types")
 
 log = logging.getLogger("taskplatform.tasks")
 
@@ -110,7 +117,7 @@ def _claim_patiently(fn: Any, *, patience: float) -> Any:
         pause = CLAIM_RETRY_SECONDS
 
 
-def _record_while_leased(fn: Any, watch: Watch) -> Any:
+def _record_while_leased(fn: Any, watch: leases.Watch) -> Any:
     """Run ``fn``, the success write-back of a finished non-atomic body, retrying on a fresh
     connection while the database is unreachable and the attempt's lease may still be live.
 
@@ -219,10 +226,10 @@ class IdempotentTask(Task):
     def lease_lost(self) -> bool:
         """True once this attempt no longer owns its key: a lease renewal was refused, or
         renewals kept failing until the lease had certainly run out."""
-        watch: Watch | None = getattr(self.request, "tp_watch", None)
+        watch: leases.Watch | None = getattr(self.request, "tp_watch", None)
         if watch is None:
             return False
-        lease_keeper().ensure_running()  # a body that polls this also revives a dead keeper
+        leases.lease_keeper().ensure_running()  # a body that polls this also revives a dead keeper
         return watch.lost
 
     def derive_idempotency_key(self, *args: Any, **kwargs: Any) -> str | None:
@@ -279,7 +286,7 @@ class IdempotentTask(Task):
 
     def _claim(
         self, request: Any, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any], started_at: datetime
-    ) -> Claim | None:
+    ) -> core_types.Claim | None:
         """Claim the execution this delivery is for (creating it first for a plain Celery call).
 
         ``started_at`` is the same on a retry after a database error, so a claim that committed
@@ -288,7 +295,7 @@ class IdempotentTask(Task):
         headers = request.headers or {}
         execution_id = headers.get(HEADER_EXECUTION)
         if execution_id is not None:
-            delivery = Delivery(int(execution_id), self.name, list(args), dict(kwargs), worker, request.id)
+            delivery = core_types.Delivery(int(execution_id), self.name, list(args), dict(kwargs), worker, request.id)
             claim = ledger.claim_message(
                 delivery,
                 default_lease_seconds=_header_lease(headers) or self.lease_for(None),
@@ -310,12 +317,12 @@ class IdempotentTask(Task):
             nesting = int(getattr(request, "replaced_task_nesting", 0) or 0)
             key = f"{request.id}:replaced:{nesting}" if nesting else request.id
         delivery_info = request.delivery_info or {}
-        spec = NewExecution(
+        spec = core_types.NewExecution(
             idempotency_key=str(key)[:255],
             task_name=self.name,
             args=list(args),
             kwargs=dict(kwargs),
-            trigger=Trigger.CELERY,
+            trigger=models.Trigger.CELERY,
             queue=str(delivery_info.get("routing_key") or "")[:100],
             celery_task_id=request.id,
             publish_count=1,
@@ -368,7 +375,7 @@ class IdempotentTask(Task):
             return self._run_claimed(request, claim, worker, args, kwargs)
 
     def _run_claimed(
-        self, request: Any, claim: Claim, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, request: Any, claim: core_types.Claim, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         execution = claim.execution
         if claim.outcome != "claimed":
@@ -382,7 +389,7 @@ class IdempotentTask(Task):
         token = claim.token
         request.tp_execution = execution
         request.retries = execution.attempts - 1
-        watch = lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker)
+        watch = leases.lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker)
         request.tp_watch = watch
         body = getattr(self, "_orig_run", self.run)  # bypass Celery's autoretry wrapper
         started = time.monotonic()
@@ -446,7 +453,7 @@ class IdempotentTask(Task):
                 raise
             self._record_failure(execution, token, exc, worker, started)
         finally:
-            lease_keeper().unwatch(watch)
+            leases.lease_keeper().unwatch(watch)
         raise AssertionError("unreachable")  # pragma: no cover - _record_failure always raises
 
     def on_replace(self, sig: Any) -> Any:
@@ -468,7 +475,7 @@ class IdempotentTask(Task):
             if len(key) > 255:
                 key = f"execution:{execution.pk}:replaced"
             try:
-                submit(
+                submission.submit(
                     sig.task, list(sig.args), dict(sig.kwargs), idempotency_key=key,
                     queue=sig.options.get("queue"), priority=sig.options.get("priority"),
                 )  # fmt: skip
