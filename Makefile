@@ -37,6 +37,7 @@ test: $(VENV)/.installed-test lint typecheck
 	DATABASE_URL=sqlite:///$(CURDIR)/var/test-portable.sqlite3 $(BIN)/pytest -m portable tests/ledger tests/locks tests/beat
 	DATABASE_URL=$(MARIADB_URL) $(BIN)/pytest -m portable tests/ledger tests/locks tests/beat
 	bin/check-make-run
+	$(BIN)/python bin/check-adoption
 
 ## make chaos: the whole fault catalogue (tests marked chaos, the slow ones included; docs/reliability.md)
 ## Its figures (var/chaos/figures.jsonl) become the table in docs/reliability.md (bin/catalogue).
