@@ -52,9 +52,14 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_celery_beat",
+    "django_tasks",
     "taskplatform",
     "tasks",
 ]
+
+# Django's task API (django-tasks, the backport of django.tasks) on the ledger: a function
+# decorated with @task and enqueued with .enqueue() is an execution like any submit().
+TASKS = {"default": {"BACKEND": "taskplatform.task_backend.LedgerBackend"}}
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",

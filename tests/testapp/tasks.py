@@ -317,3 +317,36 @@ def doubled_with_result(self: IdempotentTask, n: int) -> int:
     """Keeps its result in Celery's result backend too (``ignore_result=False``): the
     ``.delay().get()`` pattern of an existing project."""
     return 2 * n
+
+
+# --- Django's task API (django-tasks) on the ledger: taskplatform.task_backend ------------------
+
+from django_tasks import task as django_task  # noqa: E402
+
+
+def _count(key: str, phase: str = "started") -> None:
+    EffectRaw.objects.create(key=key, phase=phase, pid=os.getpid())
+
+
+@django_task(key=lambda order, amount: f"receipt:{order}")
+def receipt(order: str, amount: int) -> dict[str, Any]:
+    """Keyed by the order: the same order enqueued twice is one execution."""
+    _count(f"receipt:{order}")
+    Effect.objects.create(key=f"receipt:{order}")
+    return {"order": order, "amount": amount}
+
+
+@django_task(takes_context=True, retry_on=(TransientError,), max_retries=3, retry_backoff=1)
+def flaky_receipt(context: Any, order: str) -> int:
+    """Fails its first attempt (retryable), succeeds on the second: returns the attempt."""
+    _count(f"flaky:{order}")
+    if context.attempt == 1:
+        raise TransientError("the first attempt fails")
+    return int(context.attempt)
+
+
+@django_task(retry_on=(TransientError,), max_retries=1, retry_backoff=1)
+def hopeless(order: str) -> None:
+    """Fails every attempt: a dead letter after two."""
+    _count(f"hopeless:{order}")
+    raise TransientError(f"order {order} cannot be done")

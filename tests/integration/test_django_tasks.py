@@ -1,0 +1,118 @@
+"""Django's task API (django-tasks) on the ledger, with real workers: ``taskplatform.task_backend``.
+
+A function decorated with ``@task`` and enqueued with ``.enqueue()`` is an execution: the same
+key, retry, dead-letter and console semantics as ``submit()``, run by a Celery worker, its
+result read through Django's ``TaskResult`` API. Body runs are counted in ``EffectRaw`` (no
+unique constraint).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+from django_tasks import TaskResultStatus, task_backends
+from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
+
+from taskplatform.exceptions import IdempotencyKeyConflictError, InvalidArgumentsError
+from taskplatform.models import Execution
+from tests.testapp.models import Effect, EffectRaw
+from tests.testapp.tasks import flaky_receipt, hopeless, receipt
+
+pytestmark = [pytest.mark.worker]
+
+
+def finished(result: Any) -> bool:
+    result.refresh()
+    return bool(result.is_finished)
+
+
+def test_an_enqueued_task_is_an_execution_run_once_by_a_worker_and_its_result_reads_back(workers, poll):
+    workers.start(concurrency=2)
+    with transaction.atomic():
+        result = receipt.enqueue("A-1", 42)
+        again = receipt.enqueue("A-1", 42)  # the same key and arguments: the same execution
+        assert result.status == TaskResultStatus.READY
+    assert again.id == result.id
+    poll(lambda: finished(result), timeout=30, what="the task to finish")
+
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == {"order": "A-1", "amount": 42}
+    assert (result.attempts, result.errors, result.args) == (1, [], ["A-1", 42])
+    assert result.started_at is not None and result.finished_at is not None
+    assert receipt.get_result(result.id).return_value == {"order": "A-1", "amount": 42}
+    row = Execution.objects.get(pk=int(result.id))
+    assert (row.idempotency_key, row.task_name, row.state) == (
+        "receipt:A-1",
+        "tests.testapp.tasks.receipt",
+        "SUCCEEDED",
+    )
+    assert EffectRaw.objects.filter(key="receipt:A-1").count() == 1
+    assert Effect.objects.filter(key="receipt:A-1").count() == 1
+
+    # After success, the same key is still the same execution: the body does not run again.
+    assert receipt.enqueue("A-1", 42).id == result.id
+    with pytest.raises(IdempotencyKeyConflictError):
+        receipt.enqueue("A-1", 43)  # the same key with other arguments
+    assert Execution.objects.count() == 1
+
+
+def test_nothing_is_published_when_the_callers_transaction_rolls_back(workers, poll):
+    workers.start(concurrency=1)
+    with pytest.raises(RuntimeError), transaction.atomic():
+        receipt.enqueue("B-1", 1)
+        raise RuntimeError("the view failed after enqueueing")
+    later = receipt.enqueue("B-2", 2)
+    poll(lambda: finished(later), timeout=30, what="a later task to finish")
+    assert Execution.objects.count() == 1
+    assert EffectRaw.objects.filter(key="receipt:B-1").count() == 0
+
+
+def test_a_retryable_failure_is_retried_with_backoff_and_the_attempts_are_in_the_result(workers, poll):
+    workers.start(concurrency=2)
+    result = flaky_receipt.enqueue("C-1")
+    poll(lambda: finished(result), timeout=60, what="the retried task to finish")
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 2  # the attempt the body saw in its context
+    assert result.attempts == 2
+    assert [e.exception_class_path for e in result.errors] == ["tests.testapp.tasks.TransientError"]
+    assert EffectRaw.objects.filter(key="flaky:C-1").count() == 2
+
+
+def test_the_last_failure_is_a_dead_letter_in_the_console_and_a_failed_result(workers, poll):
+    workers.start(concurrency=2)
+    result = hopeless.enqueue("D-1")
+    poll(lambda: finished(result), timeout=60, what="the task to be dead-lettered")
+    assert result.status == TaskResultStatus.FAILED
+    with pytest.raises(ValueError, match="failed"):
+        _ = result.return_value
+    assert [e.exception_class_path for e in result.errors] == ["tests.testapp.tasks.TransientError"] * 2
+    assert "cannot be done" in result.errors[-1].traceback
+    row = Execution.objects.get(pk=int(result.id))
+    assert (row.state, row.attempts) == ("FAILED", 2)
+    assert EffectRaw.objects.filter(key="hopeless:D-1").count() == 2
+
+
+def test_run_after_defers_the_execution(workers, poll):
+    workers.start(concurrency=1)
+    at = timezone.now() + timedelta(seconds=2)
+    result = receipt.using(run_after=at).enqueue("E-1", 5)
+    assert Execution.objects.get(pk=int(result.id)).scheduled_for == at
+    poll(lambda: finished(result), timeout=30, what="the deferred task to finish")
+    assert Execution.objects.get(pk=int(result.id)).started_at >= at
+
+
+@pytest.mark.django_db
+def test_bad_input_is_refused_and_nothing_is_recorded() -> None:
+    with pytest.raises(InvalidTaskError, match="priority"):
+        receipt.using(priority=5)
+    with pytest.raises(InvalidArgumentsError, match="JSON"):
+        receipt.enqueue("F-1", object())  # not JSON
+    with pytest.raises(TaskResultDoesNotExist):
+        receipt.get_result("999999")
+    with pytest.raises(TaskResultDoesNotExist):
+        task_backends["default"].get_result("not-a-number")
+    assert Execution.objects.count() == 0
