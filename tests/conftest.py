@@ -223,8 +223,10 @@ class WorkerFactory:
         env: dict[str, str] | None = None,
         wait: bool = True,
         command_prefix: list[str] | None = None,
+        stdout: Path | None = None,
     ) -> Worker:
-        """Start a worker; ``command_prefix`` wraps its command (e.g. a test host's ``ip netns exec``)."""
+        """Start a worker; ``command_prefix`` wraps its command (e.g. a test host's ``ip netns exec``);
+        ``stdout``: a file for its standard output (else discarded)."""
         name = f"w{len(self.workers) + 1}-{uuid.uuid4().hex[:6]}"
         logfile = self.tmp_path / f"{name}.log"
         full_env = celery_env(broker, env)
@@ -235,7 +237,8 @@ class WorkerFactory:
             "--loglevel", "INFO", "-f", str(logfile),
         ]  # fmt: skip
         proc = subprocess.Popen(
-            [*(command_prefix or []), *cmd], cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL,
+            [*(command_prefix or []), *cmd], cwd=ROOT, env=full_env,
+            stdout=stdout.open("wb") if stdout is not None else subprocess.DEVNULL,
             stderr=(self.tmp_path / f"{name}.err").open("wb"),
             start_new_session=True,
         )  # fmt: skip

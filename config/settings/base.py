@@ -173,6 +173,8 @@ STATIC_ROOT = VAR_DIR / "static"
 #: ``plain`` (one readable line) or ``json`` (one object per line; production's default).
 #: Either way every line carries the execution id, idempotency key and fencing token.
 TASKPLATFORM_LOG_FORMAT = os.environ.get("TASKPLATFORM_LOG_FORMAT", "plain")
+# OpenTelemetry: "off", "console" (spans as JSON lines on stdout), "otlp" (OTEL_EXPORTER_OTLP_*), "provided".
+TASKPLATFORM_TRACING = os.environ.get("TASKPLATFORM_TRACING", "off")
 _LOG_LEVEL = os.environ.get("TASKPLATFORM_LOG_LEVEL", "INFO")
 LOGGING: dict[str, Any] = {
     "version": 1,

@@ -44,6 +44,20 @@ class TaskPlatformConfig(AppConfig):
         worker_shutdown.connect(stop_worker_maintenance, dispatch_uid="taskplatform.worker_maintenance")
 
         install_admin_overview(admin.site)
+        start_tracing()
+
+
+def start_tracing() -> bool:
+    """Turn OpenTelemetry tracing on in this process when ``TASKPLATFORM_TRACING`` asks for it
+    (web, worker and beat processes all pass here; prefork's pool processes inherit it)."""
+    from . import tracing
+    from .conf import platform_settings
+
+    try:
+        mode = platform_settings().tracing
+    except ImproperlyConfigured:  # reported by the system checks (E002)
+        return False
+    return tracing.setup(mode)
 
 
 def refuse_bad_settings(sender: object = None, **kwargs: object) -> None:

@@ -103,6 +103,13 @@ class PlatformSettings:
     #: handlers, ``logs.apply_to``): ``"plain"`` or ``"json"`` (one object per line).
     log_format: str = "plain"
 
+    # --- tracing (taskplatform.observability.tracing; the ``tracing`` extra) ---
+    #: OpenTelemetry tracing: ``"off"``; ``"console"`` (this process prints its spans, for
+    #: development); ``"otlp"`` (spans to an OTLP/HTTP collector, configured by the standard
+    #: ``OTEL_EXPORTER_OTLP_*`` variables); ``"provided"`` (the project sets up its own tracer
+    #: provider; the platform only makes spans and carries the context).
+    tracing: str = "off"
+
     # --- metrics (taskplatform.metrics) ---
     #: Bearer token Prometheus presents to ``/metrics`` (empty: staff sessions only).
     metrics_token: str = ""
@@ -137,7 +144,7 @@ def unknown_settings() -> list[tuple[str, str | None]]:
 
 
 #: Settings whose value is one of a few strings.
-_CHOICES = {"log_format": ("plain", "json")}
+_CHOICES = {"log_format": ("plain", "json"), "tracing": ("off", "console", "otlp", "provided")}
 
 
 def _type_problem(name: str, value: Any) -> str | None:

@@ -233,6 +233,9 @@ class Execution(models.Model):
     result = models.JSONField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     last_traceback = models.TextField(blank=True)
+    trace_context = models.CharField(
+        max_length=64, blank=True, default="", help_text="W3C traceparent of the span that recorded it (tracing on)."
+    )
 
     class Meta:
         ordering = ["-id"]
@@ -256,6 +259,12 @@ class Execution(models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def trace_id(self) -> str:
+        """The OpenTelemetry trace this execution belongs to ("" when it was recorded untraced)."""
+        parts = self.trace_context.split("-")
+        return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
 
 
 class ExecutionEvent(models.Model):

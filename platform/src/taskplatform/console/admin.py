@@ -123,7 +123,7 @@ class ExecutionAdmin(admin.ModelAdmin):
     list_select_related = ("job",)
     actions = ["retry_now", "requeue_dead_letters", "cancel", "mark_failed", "mark_succeeded"]
     fieldsets = (
-        (None, {"fields": ("state_badge", "task_name", "job", "idempotency_key", "trigger", "attempts")}),
+        (None, {"fields": ("state_badge", "task_name", "job", "idempotency_key", "trigger", "attempts", "trace")}),
         ("Input and output", {"fields": ("arguments", "result_pretty", "last_error", "traceback")}),
         (
             "Delivery",
@@ -163,12 +163,23 @@ class ExecutionAdmin(admin.ModelAdmin):
     def result_pretty(self, obj: Execution) -> str:
         return pretty_json(obj.result)
 
+    @admin.display(description="trace id")
+    def trace(self, obj: Execution) -> str:
+        """The OpenTelemetry trace (``TASKPLATFORM_TRACING``): search your tracing backend for it."""
+        return obj.trace_id or "—"
+
     @admin.display(description="traceback of the last failure")
     def traceback(self, obj: Execution) -> str:
         return format_html('<pre class="tp-json">{}</pre>', obj.last_traceback or "—")
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [f.name for f in Execution._meta.fields] + ["state_badge", "arguments", "result_pretty", "traceback"]
+        return [f.name for f in Execution._meta.fields] + [
+            "state_badge",
+            "arguments",
+            "result_pretty",
+            "traceback",
+            "trace",
+        ]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

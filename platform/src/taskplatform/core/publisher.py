@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
+from .. import tracing
 from .validation import registered_task
 
 if TYPE_CHECKING:
@@ -78,12 +79,13 @@ def publish(execution: Execution, *, task_id: str, countdown: float | None = Non
     from celery import current_app
 
     try:
-        current_app.send_task(
-            execution.task_name,
-            args=execution.args,
-            kwargs=execution.kwargs,
-            **message_options(execution, task_id=task_id, countdown=countdown),
-        )
+        with tracing.under(execution.trace_context):  # Celery's instrumentation makes its span here
+            current_app.send_task(
+                execution.task_name,
+                args=execution.args,
+                kwargs=execution.kwargs,
+                **message_options(execution, task_id=task_id, countdown=countdown),
+            )
     except Exception:  # the row is safe in the ledger; the rescuer publishes it again
         log.warning(
             "publication failed; the rescuer will publish it again",
@@ -229,6 +231,8 @@ class _BatchSender:
         headers.update(id=task_id, root_id=root_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr)
         headers[HEADER_EXECUTION] = execution.pk
         headers[HEADER_KEY] = execution.idempotency_key
+        if tracing.ACTIVE:
+            tracing.inject(headers, execution.trace_context)
         if prototype.lease is not None:
             headers[HEADER_LEASE] = prototype.lease
         properties = dict(properties0)

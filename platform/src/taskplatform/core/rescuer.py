@@ -17,11 +17,15 @@ and the ``taskplatform.rescue`` Celery task run the same function.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from typing import Any
 
 from django.utils import timezone
 
+from .. import tracing
 from ..conf import platform_settings
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP
 from ..domain.states import State
@@ -54,6 +58,25 @@ def _max_attempts(execution: Execution) -> int:
     return UNBOUNDED_ATTEMPTS_CAP
 
 
+def _traced(execution: Execution, why: str) -> Any:
+    """A ``taskplatform.rescue`` span in ``execution``'s trace (nothing when tracing is off)."""
+    if not tracing.ACTIVE or not execution.trace_context:
+        return nullcontext()
+    return _rescue_span(execution, why)
+
+
+@contextmanager
+def _rescue_span(execution: Execution, why: str) -> Iterator[None]:
+    attributes = {
+        "taskplatform.execution_id": execution.pk,
+        "taskplatform.idempotency_key": execution.idempotency_key,
+        "taskplatform.attempt": execution.attempts,
+        "taskplatform.rescue": why,
+    }
+    with tracing.under(execution.trace_context), tracing.span("taskplatform.rescue", attributes):
+        yield
+
+
 def run_rescuer(now: datetime | None = None) -> RescueReport:
     """One rescuer pass; safe to run concurrently with workers and with itself.
 
@@ -71,7 +94,9 @@ def run_rescuer(now: datetime | None = None) -> RescueReport:
         .order_by("lease_expires_at")[:batch]
     )
     for execution in expired:
-        outcome = ledger.rescue_expired(execution, max_attempts=_max_attempts(execution), now=now)
+        with _traced(execution, "expired lease"):
+            outcome = ledger.rescue_expired(execution, max_attempts=_max_attempts(execution), now=now)
+            tracing.annotate({"taskplatform.outcome": outcome})
         if outcome == "rescued":
             report.rescued += 1
         elif outcome == "dead_lettered":
@@ -83,7 +108,10 @@ def run_rescuer(now: datetime | None = None) -> RescueReport:
         .order_by("due_at")[:batch]
     )
     for execution in due:
-        if ledger.republish_due(execution, now=now):
+        with _traced(execution, f"due {execution.state.lower()}"):
+            published = ledger.republish_due(execution, now=now)
+            tracing.annotate({"taskplatform.outcome": "published" if published else "not published"})
+        if published:
             report.published += 1
 
     if report.rescued or report.dead_lettered or report.published:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, overload
 
 from django.db import transaction
 from django.utils import timezone
 
+from .. import tracing
 from ..conf import platform_settings
 from ..exceptions import IdempotencyKeyConflictError, InvalidArgumentsError, SubmissionError
 from ..models import Execution, JobDefinition, Trigger
@@ -80,6 +81,41 @@ def submit_or_get(
     ``slot`` is the schedule slot a beat publication is for; it is recorded as the
     execution's ``scheduled_for`` (its lateness is ``created_at - scheduled_for``).
     """
+    if not tracing.ACTIVE:
+        return _submit_or_get(
+            task_or_name, args, kwargs, idempotency_key=idempotency_key, countdown=countdown, eta=eta, queue=queue,
+            priority=priority, on_commit=on_commit, trigger=trigger, slot=slot,
+        )  # fmt: skip
+    name = task_or_name.task if isinstance(task_or_name, JobDefinition) else getattr(task_or_name, "name", task_or_name)
+    with tracing.span("taskplatform.submit", {"taskplatform.task": name, "taskplatform.trigger": trigger}):
+        execution, created = _submit_or_get(
+            task_or_name, args, kwargs, idempotency_key=idempotency_key, countdown=countdown, eta=eta, queue=queue,
+            priority=priority, on_commit=on_commit, trigger=trigger, slot=slot,
+        )  # fmt: skip
+        tracing.annotate(
+            {
+                "taskplatform.execution_id": execution.pk,
+                "taskplatform.idempotency_key": execution.idempotency_key,
+                "taskplatform.created": created,
+            }
+        )
+        return execution, created
+
+
+def _submit_or_get(
+    task_or_name: Task | str | JobDefinition,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    idempotency_key: str | None,
+    countdown: float | None,
+    eta: datetime | None,
+    queue: str | None,
+    priority: int | None,
+    on_commit: bool,
+    trigger: str,
+    slot: datetime | None,
+) -> tuple[Execution, bool]:
     job: JobDefinition | None = None
     if isinstance(task_or_name, JobDefinition):
         job = task_or_name
@@ -120,6 +156,7 @@ def submit_or_get(
         due_at=start + ledger.republish_interval(1) if on_broker else start,
         celery_task_id=task_id,
         publish_count=1 if on_broker else 0,
+        trace_context=tracing.traceparent(),
     )
     execution, created = ledger.create(spec)
     if not created:
@@ -213,6 +250,24 @@ def submit_many(
     commits (``on_commit=False``: as soon as the rows are inserted). A broker that fails
     the batch does not fail the call: the rows wait and the rescuer publishes them.
     """
+    if not tracing.ACTIVE:
+        return _submit_many(task_or_name, items, queue=queue, priority=priority, on_commit=on_commit, trigger=trigger)
+    name = task_or_name.task if isinstance(task_or_name, JobDefinition) else getattr(task_or_name, "name", task_or_name)
+    with tracing.span("taskplatform.submit_many", {"taskplatform.task": name, "taskplatform.trigger": trigger}):
+        result = _submit_many(task_or_name, items, queue=queue, priority=priority, on_commit=on_commit, trigger=trigger)
+        tracing.annotate({"taskplatform.items": len(result), "taskplatform.created": result.created_count})
+        return result
+
+
+def _submit_many(
+    task_or_name: Task | str | JobDefinition,
+    items: Iterable[Mapping[str, Any]],
+    *,
+    queue: str | None,
+    priority: int | None,
+    on_commit: bool,
+    trigger: str,
+) -> SubmitManyResult:
     job: JobDefinition | None = None
     if isinstance(task_or_name, JobDefinition):
         job = task_or_name
@@ -257,6 +312,8 @@ def submit_many(
             )
     if not specs:
         return SubmitManyResult(executions=(), created=(), existing_keys=())
+    if context := tracing.traceparent():
+        specs = [replace(spec, trace_context=context) for spec in specs]
 
     with transaction.atomic():  # all or nothing: a conflict found below rolls the batch back
         pairs = ledger.create_many(specs)

@@ -57,6 +57,7 @@ class NewExecution:
     due_at: datetime | None = None
     celery_task_id: str = ""
     publish_count: int = 0
+    trace_context: str = ""
 
     def build(self) -> Execution:
         return Execution(
@@ -72,5 +73,6 @@ class NewExecution:
             due_at=self.due_at,
             celery_task_id=self.celery_task_id,
             publish_count=self.publish_count,
+            trace_context=self.trace_context,
             state=State.PENDING,
         )

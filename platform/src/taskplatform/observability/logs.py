@@ -27,12 +27,14 @@ from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
-#: The fields every record gets.
-FIELDS = ("execution_id", "idempotency_key", "fencing_token")
+from .. import tracing
+
+#: The fields every record gets (``trace_id``: the current OpenTelemetry trace, with tracing on).
+FIELDS = ("execution_id", "idempotency_key", "fencing_token", "trace_id")
 #: A plain-text format that shows them.
 PLAIN_FORMAT = (
     "%(asctime)s %(levelname)s %(name)s "
-    "[execution=%(execution_id)s key=%(idempotency_key)s token=%(fencing_token)s] %(message)s"
+    "[execution=%(execution_id)s key=%(idempotency_key)s token=%(fencing_token)s trace=%(trace_id)s] %(message)s"
 )
 
 _context: ContextVar[dict[str, Any] | None] = ContextVar("taskplatform_log_context", default=None)
@@ -63,10 +65,19 @@ REMEMBERED_TASKS = 10_000
 
 
 def remember_task(
-    task_id: str, execution_id: int, idempotency_key: str | None = None, fencing_token: int | None = None
+    task_id: str,
+    execution_id: int,
+    idempotency_key: str | None = None,
+    fencing_token: int | None = None,
+    trace_id: str | None = None,
 ) -> None:
     """Celery's lines about ``task_id`` carry these execution fields (see the module doc)."""
-    fields = {"execution_id": execution_id, "idempotency_key": idempotency_key, "fencing_token": fencing_token}
+    fields = {
+        "execution_id": execution_id,
+        "idempotency_key": idempotency_key,
+        "fencing_token": fencing_token,
+        "trace_id": trace_id,
+    }
     with _BY_TASK_ID_LOCK:
         _BY_TASK_ID[task_id] = fields
         _BY_TASK_ID.move_to_end(task_id)
@@ -92,6 +103,8 @@ class ExecutionContextFilter(logging.Filter):
         for name in FIELDS:
             if getattr(record, name, None) is None:
                 setattr(record, name, context.get(name))
+        if record.trace_id is None and tracing.ACTIVE:  # type: ignore[attr-defined]
+            record.trace_id = tracing.current_trace_id()
         return True
 
 

@@ -24,4 +24,6 @@ class LedgerRequest(Request):
         execution_id = headers.get(HEADER_EXECUTION)
         if isinstance(execution_id, int) and not isinstance(execution_id, bool):
             key = headers.get(HEADER_KEY)
-            remember_task(self.id, execution_id, key if isinstance(key, str) else None)
+            parent = headers.get("traceparent")  # put there by Celery's OpenTelemetry instrumentation
+            trace_id = parent.split("-")[1] if isinstance(parent, str) and parent.count("-") == 3 else None
+            remember_task(self.id, execution_id, key if isinstance(key, str) else None, trace_id=trace_id)

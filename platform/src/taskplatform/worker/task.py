@@ -32,6 +32,7 @@ from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 from django.db import InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
+from .. import tracing
 from ..conf import platform_settings
 from ..core.publisher import HEADER_EXECUTION, HEADER_LEASE
 from ..core.validation import encode_result, is_idempotent
@@ -282,7 +283,40 @@ class IdempotentTask(Task):
         request = self.request
         if request.called_directly or not request.id:
             return super().__call__(*args, **kwargs)  # a plain function call: no ledger
+        if tracing.ACTIVE:
+            return self._run_traced(request, args, kwargs)
         return self._run_under_ledger(request, args, kwargs)
+
+    def _run_traced(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``_run_under_ledger`` inside a ``taskplatform.attempt`` span saying how it ended
+        (``tracing``): succeeded, absorbed, retry (with its delay and where it waits), failed."""
+        attributes = {"taskplatform.task": self.name, "celery.task_id": request.id}
+        with tracing.span("taskplatform.attempt", attributes, record_errors=False) as span:
+            try:
+                result = self._run_under_ledger(request, args, kwargs)
+            except Retry as exc:
+                delay = float(exc.when) if isinstance(exc.when, (int, float)) else 0.0
+                parked = delay > platform_settings().max_broker_countdown_seconds
+                span.set_attributes(
+                    {"taskplatform.outcome": "retry", "taskplatform.retry_in_s": delay, "taskplatform.parked": parked}
+                )
+                span.record_exception(exc.exc or exc)
+                raise
+            except Ignore:
+                span.set_attribute("taskplatform.outcome", "succeeded (Ignore)")
+                raise
+            except Reject:
+                span.set_attribute("taskplatform.outcome", "requeued")
+                raise
+            except BaseException as exc:
+                dead = getattr(request, "tp_dead_lettered", False)
+                span.set_attribute("taskplatform.outcome", "dead letter" if dead else "failed")
+                span.record_exception(exc)
+                span.set_status(tracing.error_status(str(exc)))
+                raise
+            claimed = getattr(request, "tp_execution", None) is not None
+            span.set_attribute("taskplatform.outcome", "succeeded" if claimed else "absorbed")
+            return result
 
     def _claim(
         self, request: Any, worker: str, args: tuple[Any, ...], kwargs: dict[str, Any], started_at: datetime
@@ -326,6 +360,7 @@ class IdempotentTask(Task):
             queue=str(delivery_info.get("routing_key") or "")[:100],
             celery_task_id=request.id,
             publish_count=1,
+            trace_context=tracing.traceparent(),
         )
         lease_seconds = self.lease_for(None)  # a plain call has no job definition
         created = ledger.create_claimed(
@@ -370,7 +405,17 @@ class IdempotentTask(Task):
         execution = claim.execution
         # An absorbed duplicate holds no token of its own (claim.token is the running attempt's).
         own_token = claim.token if claim.outcome == "claimed" else None
-        remember_task(request.id, execution.pk, execution.idempotency_key, own_token)
+        remember_task(request.id, execution.pk, execution.idempotency_key, own_token, tracing.current_trace_id())
+        if tracing.ACTIVE:
+            tracing.annotate(
+                {
+                    "taskplatform.execution_id": execution.pk,
+                    "taskplatform.idempotency_key": execution.idempotency_key,
+                    "taskplatform.attempt": execution.attempts,
+                    "taskplatform.fencing_token": own_token,
+                    "taskplatform.claim": claim.outcome,
+                }
+            )
         with execution_context(execution.pk, execution.idempotency_key, own_token):
             return self._run_claimed(request, claim, worker, args, kwargs)
 
@@ -559,6 +604,8 @@ class IdempotentTask(Task):
             error = f"{error} (attempts exhausted: {execution.attempts} of {max_attempts})"
         if not _retry_db(lambda: ledger.dead_letter(execution, token, error=error, traceback=trace, worker=worker)):
             ledger.record_stale_write(execution.pk, token, worker=worker, what="dead_letter")
+        request: Any = self.request
+        request.tp_dead_lettered = True  # read by the attempt's span (``_run_traced``)
         if explicit is not None and not isinstance(exc, Exception):
             raise MaxRetriesExceededError(error)
         raise exc
