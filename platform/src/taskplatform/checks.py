@@ -13,6 +13,33 @@ from .conf import platform_settings, settings_problems, unknown_settings
 from .exceptions import TaskPlatformError
 from .scheduling.config import configuration_problems
 
+#: Every check this module reports, by id, with what it means (``docs/reference/checks.md`` is
+#: written from this; a test finds any id used below and missing here).
+CHECKS: dict[str, str] = {
+    "taskplatform.W001": "a `TASKPLATFORM_*` setting that does not exist (a misspelling is otherwise ignored), "
+    "with the nearest valid name",
+    "taskplatform.E002": "a `TASKPLATFORM_*` value of the wrong type, out of range or not one of its choices",
+    "taskplatform.E003": "`TASKPLATFORM_LEASE_SECONDS` under 3 s: too short to renew reliably",
+    "taskplatform.E010": "Celery would accept pickled messages (`CELERY_ACCEPT_CONTENT`): JSON only",
+    "taskplatform.E011": "a Celery serializer (task or result) is pickle",
+    "taskplatform.W012": "`CELERY_TASK_ACKS_LATE` is off: tasks other than `IdempotentTask` lose work when a "
+    "worker dies",
+    "taskplatform.E013": "`TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS` not below half the Redis "
+    "`visibility_timeout` (kombu#337)",
+    "taskplatform.W014": "`TASKPLATFORM_LEASE_SECONDS` above half the Redis `visibility_timeout`",
+    "taskplatform.W015": "`CELERY_DB_REUSE_MAX` unset: a new database connection per task",
+    "taskplatform.W016": "the ledger on SQLite (one writer at a time): development only",
+    "taskplatform.W017": "nothing runs the rescuer: worker maintenance off and no `LockedScheduler`",
+    "taskplatform.E020": "a lock backend does not import or cannot be built",
+    "taskplatform.E021": "a lock backend refuses its options",
+    "taskplatform.E030": "the beat's lease, tick, step-down and sync timings do not fit together",
+    "taskplatform.W031": "beat failover (lease + tick) above the 10 s target",
+    "taskplatform.E032": "the beat lease is longer than the beat lock backend's `max_ttl_seconds`: no beat "
+    "would lead",
+    "taskplatform.E040": "(`check --deploy`) a broker, result backend or lock server on another host without "
+    "credentials",
+}  # fmt: skip
+
 
 def _celery_conf() -> Any:
     from celery import current_app
