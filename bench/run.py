@@ -59,6 +59,7 @@ VARIANTS = {
     "ledger": "taskplatform IdempotentTask + submit() (PostgreSQL ledger)",
     "ledger_delay": "taskplatform IdempotentTask + plain .delay() (worker makes row)",
     "procrastinate": "Procrastinate (PostgreSQL queue, Django contrib)",
+    "floor": "plain Celery + two prepared one-row commits a task (the floor)",
 }
 BODY_DESCRIPTIONS = {
     "noop": "no-op",
@@ -112,7 +113,8 @@ def reset_state() -> None:
     with connection.cursor() as cur:
         cur.execute(
             "TRUNCATE taskplatform_executionevent, taskplatform_execution, django_celery_results_taskresult, "
-            "procrastinate_events, procrastinate_jobs, benchapp_bencheffect RESTART IDENTITY CASCADE"
+            "procrastinate_events, procrastinate_jobs, benchapp_bencheffect, benchapp_benchfloor "
+            "RESTART IDENTITY CASCADE"
         )
 
 
@@ -187,7 +189,14 @@ def publisher(variant: str, body: str = "noop") -> Any:
     tasks = TASKS[body]
     if variant == "ledger":
         return lambda i: submit(tasks["ledger"], [i])
-    family = {"plain": "plain", "dcr": "dcr", "dcr_default": "dcr", "once": "once", "ledger_delay": "ledger"}
+    family = {
+        "plain": "plain",
+        "dcr": "dcr",
+        "dcr_default": "dcr",
+        "once": "once",
+        "ledger_delay": "ledger",
+        "floor": "floor",
+    }
     return tasks[family[variant]].delay
 
 
@@ -196,7 +205,7 @@ def verify(variant: str, body: str, n: int) -> str:
     from django.db import connection
     from django_celery_results.models import TaskResult
 
-    from bench.benchapp.models import BenchEffect
+    from bench.benchapp.models import BenchEffect, BenchFloor
     from taskplatform.models import Execution
 
     checks = []
@@ -204,6 +213,8 @@ def verify(variant: str, body: str, n: int) -> str:
         checks.append(f"{BenchEffect.objects.count()}/{n} rows written")
     if variant in ("ledger", "ledger_delay"):
         checks.append(f"{Execution.objects.filter(state='SUCCEEDED').count()}/{n} executions SUCCEEDED")
+    elif variant == "floor":
+        checks.append(f"{BenchFloor.objects.filter(state='SUCCEEDED').count()}/{n} floor rows SUCCEEDED")
     elif variant.startswith("dcr"):
         checks.append(f"{TaskResult.objects.filter(status='SUCCESS').count()}/{n} results stored")
     elif variant == "procrastinate":

@@ -43,6 +43,26 @@ def write(i: int) -> int:
     return i
 
 
+def two_commits(i: int) -> None:
+    """Two durable commits, each one prepared single-row statement on Django's connection in
+    autocommit (an insert, then an update of that row by key): the least a task can spend on
+    recording a start and an end in PostgreSQL. The ``floor`` variant runs it after each body,
+    so its ratio bounds any design that commits twice a task (see docs/benchmarks.md)."""
+    from django.db import connection
+
+    connection.ensure_connection()
+    conn = connection.connection
+    conn.prepare_threshold = 1_000_000  # Django sets None, which ignores prepare=True
+    with conn.cursor() as cur:
+        cur.execute(
+            "INSERT INTO benchapp_benchfloor (i, state, created_at) VALUES (%s, 'RUNNING', now()) RETURNING id",
+            (i,),
+            prepare=True,
+        )
+        (row_id,) = cur.fetchone()
+        cur.execute("UPDATE benchapp_benchfloor SET state = 'SUCCEEDED' WHERE id = %s", (row_id,), prepare=True)
+
+
 BODIES: dict[str, Callable[[int], int]] = {"noop": noop, "cpu1ms": cpu1ms, "io10ms": io10ms, "write": write}
 
 #: Bodies that write to the database: the ledger variants run these with ``atomic = True``

@@ -14,3 +14,14 @@ class BenchEffect(models.Model):
 
     def __str__(self) -> str:
         return f"effect {self.i}"
+
+
+class BenchFloor(models.Model):
+    """The ``floor`` variant's record of a task: inserted RUNNING, then updated SUCCEEDED."""
+
+    i = models.IntegerField()
+    state = models.CharField(max_length=16)
+    created_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"floor {self.i} {self.state}"

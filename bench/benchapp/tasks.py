@@ -13,7 +13,7 @@ from celery import Task, current_app, shared_task
 from celery_once import QueueOnce
 from django.conf import settings
 
-from bench.benchapp.bodies import ATOMIC_BODIES, BODIES
+from bench.benchapp.bodies import ATOMIC_BODIES, BODIES, two_commits
 from taskplatform.tasks import IdempotentTask
 
 # celery-once reads its configuration from the app (not the CELERY_ namespace).
@@ -33,12 +33,18 @@ def _register(body_name: str) -> dict[str, Task]:
     def run_bound(self: Any, i: int) -> int:
         return body(i)
 
+    def run_floor(i: int) -> int:
+        result = body(i)
+        two_commits(i)
+        return result
+
     return {
         "plain": shared_task(name=f"bench.plain_{body_name}", ignore_result=True)(run),
         "dcr": shared_task(name=f"bench.dcr_{body_name}", ignore_result=False)(run),
         "once": shared_task(
             name=f"bench.once_{body_name}", base=QueueOnce, once={"graceful": True}, ignore_result=True
         )(run),
+        "floor": shared_task(name=f"bench.floor_{body_name}", ignore_result=True)(run_floor),
         "ledger": shared_task(
             name=f"bench.ledger_{body_name}", base=IdempotentTask, bind=True, atomic=body_name in ATOMIC_BODIES
         )(run_bound),
