@@ -487,3 +487,54 @@ def test_a_slot_that_cannot_be_submitted_is_dead_lettered_and_an_operator_retry_
     ledger.operator_transition(first.pk, "PENDING", user="operator", reason="task deployed", expected_state="FAILED")
     wait_for(lambda: Execution.objects.get(pk=first.pk).state == "SUCCEEDED", timeout=60, what="the retried slot")
     assert list(EffectRaw.objects.filter(phase="started").values_list("key", flat=True)) == [first.idempotency_key]
+
+
+# --- a drop-in for django-celery-beat users -----------------------------------------------------
+
+
+def test_django_celery_beats_run_columns_are_kept_current(schedulers: Callable[[], LockedScheduler]) -> None:
+    """Its admin pages show ``last_run_at`` and ``total_run_count``: written every sync (and
+    when the leader stops), from what the leader published."""
+    every_second_job("counted")
+    leader = schedulers()
+    run_beat(leader, seconds=3.2)
+    leader.close()
+    slots = sorted(Execution.objects.filter(job__slug="counted").values_list("scheduled_for", flat=True))
+    assert len(slots) >= 3
+    task = PeriodicTask.objects.get(name="job:counted")
+    assert (task.total_run_count, task.last_run_at) == (len(slots), slots[-1])
+    assert task.date_changed < slots[0], "writing the run columns announces no schedule change"
+
+
+@pytest.mark.parametrize(("policy", "runs"), [("run_once", 1), ("skip", 0)])
+def test_an_entry_databasescheduler_ran_starts_from_its_last_run(
+    schedulers: Callable[[], LockedScheduler], policy: str, runs: int
+) -> None:
+    """A site switching from django-celery-beat's ``DatabaseScheduler``: an entry with a
+    ``last_run_at`` and no cursor of ours is owed its slots since then, by its misfire policy
+    (it used to start at the switch, skipping the overdue run silently)."""
+    job = JobDefinition.objects.create(slug=f"switched-{policy}", task="testapp.effect", misfire_policy=policy)
+    now = timezone.now()
+    latest = (now - timedelta(seconds=20)).replace(microsecond=0)  # no slot due during the run
+    schedule_job(job, every_seconds=60, start=latest - timedelta(days=1))
+    PeriodicTask.objects.filter(name=f"job:{job.slug}").update(last_run_at=latest - timedelta(minutes=30))
+    assert not ScheduleCursor.objects.exists()
+    with override_settings(TASKPLATFORM_BEAT_MISFIRE_GRACE_SECONDS=10.0):  # the latest slot is overdue
+        leader = schedulers()
+        run_beat(leader, seconds=1.0)
+    slots = list(Execution.objects.filter(job=job).values_list("scheduled_for", flat=True))
+    assert slots == [latest] * runs
+    assert ScheduleCursor.objects.get(name=f"job:{job.slug}").last_slot == latest
+
+
+def test_a_follower_lists_the_schedule_too(schedulers: Callable[[], LockedScheduler]) -> None:
+    every_second_job("listed")
+    PeriodicTask.objects.create(
+        name="plain-entry", task="testapp.plain", interval=IntervalSchedule.objects.create(every=5, period="seconds")
+    )
+    a, b = schedulers(), schedulers()
+    run_beat(a, b, seconds=1.2)
+    leader, follower = (a, b) if a.table is not None else (b, a)
+    assert follower.table is None
+    assert set(follower.schedule) == set(leader.schedule) == {"job:listed", "plain-entry"}
+    assert not ScheduleCursor.objects.filter(fencing_token=follower.leadership.token or -1).exists()

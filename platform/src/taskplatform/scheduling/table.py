@@ -182,8 +182,9 @@ class ScheduleTable:
         slots from that previous load on (it changed after it): an edit is not a misfire of
         the new schedule, and a slot due between the edit and this load is not lost.
         """
-        rows = list(PeriodicTask.objects.values(*_ROW_FIELDS, "date_changed"))
+        rows = list(PeriodicTask.objects.values(*_ROW_FIELDS, "date_changed", "last_run_at"))
         changed_at = {row["name"]: row.pop("date_changed") for row in rows}  # not part of the digest
+        last_run = {row["name"]: row.pop("last_run_at") for row in rows}  # nor this (the leader writes it)
         linked = {row["job__slug"] for row in rows if row["job__id"] is not None}
         trigger_slugs = [
             args[0]
@@ -234,7 +235,7 @@ class ScheduleTable:
                 if not first:
                     start = max(self.cursors.get(name, since), since)
                 elif name not in self.cursors:
-                    start = self._unseen_since(changed_at.get(name), now)
+                    start = self._unseen_since(changed_at.get(name), now, last_run.get(name))
                 else:
                     start = now
                 self.cursors[name] = start
@@ -247,8 +248,14 @@ class ScheduleTable:
             self.broken.pop(name, None)
         return resets, gone
 
-    def _unseen_since(self, changed_at: datetime | None, now: datetime) -> datetime:
+    def _unseen_since(
+        self, changed_at: datetime | None, now: datetime, last_run_at: datetime | None = None
+    ) -> datetime:
         """Where a new leader starts an entry that has no cursor yet.
+
+        An entry that django-celery-beat's ``DatabaseScheduler`` has run (its ``last_run_at``
+        is set) starts there: a site that switches to ``LockedScheduler`` handles an entry that
+        is overdue by its misfire policy instead of skipping it silently.
 
         An entry created (or last changed) shortly before the previous leader died may never
         have been seen by it: that leader synced at most ``beat_sync_seconds`` before dying, and
@@ -256,6 +263,8 @@ class ScheduleTable:
         when it changed, so none is lost in the failover. Anything older without a cursor (a
         first start of the scheduler on an existing schedule) starts now: its past is not owed.
         """
+        if last_run_at is not None:
+            return min(last_run_at, now)
         if changed_at is None:
             return now
         unseen = self.conf.beat_sync_seconds + self.conf.beat_lease_seconds + self.conf.beat_tick_seconds + 1
