@@ -254,6 +254,41 @@ def test_the_stuck_filter_finds_expired_leases_and_overdue_rows() -> None:
     assert b"stuck-1" in listing and b"fine-1" not in listing
 
 
+def test_every_reader_of_the_stuck_condition_agrees() -> None:
+    """The console's filter and landing page, ``taskplatform status`` and ``/metrics`` count the
+    same rows: the condition is written once (``ExecutionQuerySet``)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from taskplatform.console.overview import overview
+    from taskplatform.management.commands.taskplatform import status_data
+    from taskplatform.observability.metrics import LedgerCollector
+
+    past, future = timezone.now() - timedelta(minutes=1), timezone.now() + timedelta(minutes=5)
+    for key, state, lease, due in [
+        ("expired", State.RUNNING, past, None),
+        ("live", State.RUNNING, future, None),
+        ("overdue", State.PENDING, None, past),
+        ("overdue-retry", State.RETRYING, None, past),
+        ("waiting", State.PENDING, None, future),
+        ("done", State.SUCCEEDED, None, past),
+    ]:
+        execution = make_execution(f"agree-{key}", State.PENDING if state == State.RETRYING else state)
+        Execution.objects.filter(pk=execution.pk).update(state=state, lease_expires_at=lease, due_at=due)
+    stuck = {"agree-expired", "agree-overdue", "agree-overdue-retry"}
+    assert set(Execution.objects.stuck().values_list("idempotency_key", flat=True)) == stuck
+    listing = operator().get(CHANGELIST + "?stuck=yes").content.decode()
+    assert {k for k in ("agree-expired", "agree-live", "agree-overdue", "agree-overdue-retry", "agree-waiting",
+                        "agree-done") if f">{k}<" in listing} == stuck  # fmt: skip
+    assert overview().stuck == 3
+    status = status_data()
+    assert (status["expired_leases"], status["overdue_unclaimed"]) == (1, 2)
+    registry = CollectorRegistry()
+    registry.register(LedgerCollector())
+    text = generate_latest(registry).decode()
+    assert "taskplatform_expired_leases 1.0" in text and "taskplatform_overdue_unclaimed 2.0" in text
+
+
 def test_the_detail_page_shows_the_timeline_and_the_traceback() -> None:
     execution = make_execution("detail-1", State.FAILED)
     client = operator()

@@ -184,6 +184,23 @@ class JobDefinition(models.Model):
             raise ValidationError(errors)
 
 
+class ExecutionQuerySet(models.QuerySet["Execution"]):
+    """The conditions the console, the metrics, ``taskplatform status`` and the rescuer share,
+    written once. ``now`` defaults to the database's clock (the one that decides leases)."""
+
+    def lease_expired(self, now: Any = None) -> ExecutionQuerySet:
+        """Running past its lease: its worker is gone or cut off; the rescuer takes it over."""
+        return self.filter(state=State.RUNNING, lease_expires_at__lt=now if now is not None else UtcNow())
+
+    def overdue(self, now: Any = None) -> ExecutionQuerySet:
+        """Waiting past its due time (a lost message, a parked retry not yet published)."""
+        return self.filter(state__in=(State.PENDING, State.RETRYING), due_at__lt=now if now is not None else UtcNow())
+
+    def stuck(self, now: Any = None) -> ExecutionQuerySet:
+        """Either of the above: what the rescuer should be handling."""
+        return self.lease_expired(now) | self.overdue(now)
+
+
 class Execution(models.Model):
     """One logical execution, keyed by its idempotency key: the system of record.
 
@@ -236,6 +253,8 @@ class Execution(models.Model):
     trace_context = models.CharField(
         max_length=64, blank=True, default="", help_text="W3C traceparent of the span that recorded it (tracing on)."
     )
+
+    objects = ExecutionQuerySet.as_manager()
 
     class Meta:
         ordering = ["-id"]

@@ -18,7 +18,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.core.exceptions import PermissionDenied
-from django.db.models import Q, QuerySet
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -104,11 +104,7 @@ class StuckFilter(admin.SimpleListFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Execution]) -> QuerySet[Execution]:
         if self.value() != "yes":
             return queryset
-        now = timezone.now()
-        return queryset.filter(
-            Q(state=State.RUNNING, lease_expires_at__lt=now)
-            | Q(state__in=(State.PENDING, State.RETRYING), due_at__lt=now)
-        )
+        return queryset & Execution.objects.stuck(timezone.now())
 
 
 @admin.register(Execution)

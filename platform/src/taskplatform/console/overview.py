@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Count, Q
+from django.db.models import Count
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
@@ -46,9 +46,7 @@ def overview(now: datetime | None = None) -> Overview:
     counts = {state.value: 0 for state in State}
     for row in Execution.objects.values("state").annotate(n=Count("id")).order_by():
         counts[row["state"]] = row["n"]
-    stuck = Execution.objects.filter(
-        Q(state=State.RUNNING, lease_expires_at__lt=now) | Q(state__in=(State.PENDING, State.RETRYING), due_at__lt=now)
-    ).count()
+    stuck = Execution.objects.stuck(now).count()
     first = _hour(now) - timedelta(hours=23)
     hours = [first + timedelta(hours=i) for i in range(24)]
     index = {h: i for i, h in enumerate(hours)}

@@ -88,11 +88,7 @@ def run_rescuer(now: datetime | None = None) -> RescueReport:
     batch = platform_settings().rescue_batch_size
     report = RescueReport()
 
-    expired = (
-        Execution.objects.select_related("job")
-        .filter(state=State.RUNNING, lease_expires_at__lt=UtcNow())
-        .order_by("lease_expires_at")[:batch]
-    )
+    expired = Execution.objects.lease_expired().select_related("job").order_by("lease_expires_at")[:batch]
     for execution in expired:
         with _traced(execution, "expired lease"):
             outcome = ledger.rescue_expired(execution, max_attempts=_max_attempts(execution), now=now)

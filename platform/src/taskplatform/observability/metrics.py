@@ -82,7 +82,7 @@ class LedgerCollector:
         yield GaugeMetricFamily(
             "taskplatform_dead_letters", "Executions in FAILED.", value=counts.get(State.FAILED.value, 0)
         )
-        expired = Execution.objects.filter(state=State.RUNNING, lease_expires_at__lt=now).count()
+        expired = Execution.objects.lease_expired(now).count()
         yield GaugeMetricFamily("taskplatform_expired_leases", "RUNNING executions whose lease ran out.", value=expired)
         leases = GaugeMetricFamily(
             "taskplatform_leases",
@@ -95,7 +95,7 @@ class LedgerCollector:
         yield GaugeMetricFamily(
             "taskplatform_overdue_unclaimed",
             "PENDING/RETRYING executions past due_at.",
-            value=Execution.objects.filter(state__in=(State.PENDING, State.RETRYING), due_at__lt=now).count(),
+            value=Execution.objects.overdue(now).count(),
         )
 
         events = GaugeMetricFamily(

@@ -52,10 +52,8 @@ def status_data() -> dict[str, Any]:
         "beat": beat_status(now),
         "executions": {state.value: counts.get(state.value, 0) for state in State},
         "dead_letters": counts.get(State.FAILED.value, 0),
-        "expired_leases": Execution.objects.filter(state=State.RUNNING, lease_expires_at__lt=now).count(),
-        "overdue_unclaimed": Execution.objects.filter(
-            state__in=(State.PENDING, State.RETRYING), due_at__lt=now
-        ).count(),
+        "expired_leases": Execution.objects.lease_expired(now).count(),
+        "overdue_unclaimed": Execution.objects.overdue(now).count(),
     }
 
 
