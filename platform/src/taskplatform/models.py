@@ -250,8 +250,13 @@ class Execution(models.Model):
     result = models.JSONField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     last_traceback = models.TextField(blank=True)
+    # ``db_default`` too: a process of the previous release, mid-deploy, inserts without it.
     trace_context = models.CharField(
-        max_length=64, blank=True, default="", help_text="W3C traceparent of the span that recorded it (tracing on)."
+        max_length=64,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="W3C traceparent of the span that recorded it (tracing on).",
     )
 
     objects = ExecutionQuerySet.as_manager()

@@ -4,6 +4,8 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+    # ``db_default``: processes still running the previous release insert rows without this
+    # column during a rolling deploy; the database fills it in (tests/ledger/test_migrations.py).
 
     dependencies = [
         ('taskplatform', '0005_execution_fence_and_budget'),
@@ -13,6 +15,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='execution',
             name='trace_context',
-            field=models.CharField(blank=True, default='', help_text='W3C traceparent of the span that recorded it (tracing on).', max_length=64),
+            field=models.CharField(blank=True, db_default='', default='', help_text='W3C traceparent of the span that recorded it (tracing on).', max_length=64),
         ),
     ]
