@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from django.db.models.functions import Now
 
-from taskplatform import submit, tracing
+from taskplatform import submit, submit_many, tracing
 from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution
 from tests.conftest import broker_url, redis_flushdb
@@ -149,3 +149,48 @@ def test_tracing_off_stores_no_trace_and_makes_no_span() -> None:
     with tracing.span("nothing") as span:
         assert span is None
     assert tracing.traceparent() == ""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batchs_messages_carry_the_trace_stored_on_their_rows(memory_spans) -> None:
+    """``submit_many`` publishes after the commit, when no span is current: each message must
+    still carry its row's trace (Celery's instrumentation writes the header; found in review:
+    it started a new root trace per message, so the console's trace id found nothing)."""
+    from celery.signals import before_task_publish
+    from django.db import transaction
+    from opentelemetry import trace
+
+    seen: list[dict[str, Any]] = []
+
+    def grab(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        seen.append(dict(headers or {}))  # connected after the instrumentation: sees what it wrote
+
+    before_task_publish.connect(grab, weak=False)
+    try:
+        with transaction.atomic():
+            submit_many("testapp.effect", [{"idempotency_key": f"batch-{i}"} for i in range(3)])
+    finally:
+        before_task_publish.disconnect(grab)
+    rows = {row.pk: row for row in Execution.objects.filter(idempotency_key__startswith="batch-")}
+    assert len(seen) == 3 and len({row.trace_id for row in rows.values()}) == 1
+    for headers in seen:
+        assert headers["traceparent"].split("-")[1] == rows[headers["tp_execution"]].trace_id != ""
+    assert not trace.get_current_span().get_span_context().is_valid
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_publication_is_a_failed_span_and_leaves_no_context_behind(memory_spans, use_broker) -> None:
+    """Found in review: the instrumentation ends its publication span in ``after_task_publish``,
+    which a failed publication never reaches: the span was never exported and stayed attached
+    (later spans of the process became its children)."""
+    from celery import current_app
+    from opentelemetry import trace
+    from opentelemetry.instrumentation.celery import utils
+
+    use_broker("redis://127.0.0.1:1/0")  # nothing listens there
+    for _ in range(2):
+        submit("testapp.effect", on_commit=False)  # recorded; its publication fails
+    assert not trace.get_current_span().get_span_context().is_valid
+    spans = [span for span in memory_spans.get_finished_spans() if span.name == "apply_async/testapp.effect"]
+    assert [span.status.status_code.name for span in spans] == ["ERROR", "ERROR"]
+    assert not getattr(current_app.tasks["testapp.effect"], utils.CTX_KEY, None)

@@ -211,3 +211,15 @@ def test_a_postgres_database_fails_fast_on_a_dead_connection(monkeypatch):
     assert options["tcp_user_timeout"] <= 15_000 and options["keepalives"] == 1
     assert options["keepalives_idle"] + options["keepalives_interval"] * options["keepalives_count"] <= 15
     assert options["connect_timeout"] <= 10
+
+
+def test_tracing_without_its_packages_is_an_error_naming_them():
+    from taskplatform.checks import check_tracing
+
+    assert check_tracing() == []  # off by default
+    with override_settings(TASKPLATFORM_TRACING="console"):
+        assert check_tracing() == []  # the SDK and Celery's instrumentation are installed here
+    with override_settings(TASKPLATFORM_TRACING="otlp"):  # the OTLP exporter is not
+        messages = check_tracing()
+    assert ids(messages) == {"taskplatform.E050"}
+    assert "opentelemetry.exporter.otlp.proto.http" in messages[0].msg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from django.apps import AppConfig
@@ -57,7 +58,11 @@ def start_tracing() -> bool:
         mode = platform_settings().tracing
     except ImproperlyConfigured:  # reported by the system checks (E002)
         return False
-    return tracing.setup(mode)
+    try:
+        return tracing.setup(mode)
+    except RuntimeError as exc:  # the extra is missing: reported by the system checks (E050)
+        logging.getLogger("taskplatform.tracing").error("%s; tracing stays off", exc)
+        return False
 
 
 def refuse_bad_settings(sender: object = None, **kwargs: object) -> None:

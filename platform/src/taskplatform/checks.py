@@ -36,6 +36,8 @@ CHECKS: dict[str, str] = {
     "taskplatform.W031": "beat failover (lease + tick) above the 10 s target",
     "taskplatform.E032": "the beat lease is longer than the beat lock backend's `max_ttl_seconds`: no beat "
     "would lead",
+    "taskplatform.E050": "`TASKPLATFORM_TRACING` is on but the tracing extra (OpenTelemetry's SDK and Celery "
+    "instrumentation) is not installed",
     "taskplatform.E040": "(`check --deploy`) a broker, result backend or lock server on another host without "
     "credentials",
 }  # fmt: skip
@@ -307,3 +309,32 @@ def check_exposed_services(app_configs: Any = None, **kwargs: Any) -> list[Check
                 )
             )
     return errors
+
+
+@register("taskplatform")
+def check_tracing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Tracing asked for, and the packages it needs installed."""
+    import importlib.util
+
+    if not _valid_settings() or platform_settings().tracing == "off":
+        return []
+    needed = ["opentelemetry.sdk", "opentelemetry.instrumentation.celery"]
+    if platform_settings().tracing == "otlp":
+        needed.append("opentelemetry.exporter.otlp.proto.http")
+    missing = [name for name in needed if _find_spec(importlib.util, name) is None]
+    if not missing:
+        return []
+    return [
+        Error(
+            f"TASKPLATFORM_TRACING = {platform_settings().tracing!r} needs {', '.join(missing)}",
+            hint="pip install 'taskplatform[tracing]', or set TASKPLATFORM_TRACING = 'off'.",
+            id="taskplatform.E050",
+        )
+    ]
+
+
+def _find_spec(util: Any, name: str) -> Any:
+    try:
+        return util.find_spec(name)
+    except ModuleNotFoundError:  # a parent package is missing
+        return None

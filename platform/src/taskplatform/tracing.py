@@ -179,15 +179,48 @@ def _attached(stored: str) -> Iterator[None]:
         context.detach(token)
 
 
-def inject(headers: dict[str, Any], stored: str) -> None:
-    """Put ``stored``'s context (or the current one) into message ``headers`` the way Celery's
-    instrumentation does, for messages published without ``send_task`` (``submit_many``)."""
-    if not ACTIVE:
-        return
-    from opentelemetry.propagate import inject as inject_current
+@contextmanager
+def publishing(stored: str, task_name: str, task_id: str) -> Iterator[None]:
+    """Around one publication of an execution (Celery's instrumentation makes its
+    ``apply_async`` span and puts the context in the message inside):
 
-    with under(stored):
-        inject_current(headers)
+    * under ``stored``, the execution's context, when no span is current (``under``);
+    * the caller's context restored afterwards, whatever the instrumentation left attached: it
+      attaches its span and detaches it only in ``after_task_publish``, which a failed
+      publication, or a task this process has not registered, never reaches;
+    * a failed publication's span recorded as failed and ended.
+    """
+    if not ACTIVE:
+        yield
+        return
+    from opentelemetry import context
+
+    token = context.attach(context.get_current())  # restored by detach below, whatever happens inside
+    try:
+        with under(stored):
+            yield
+    except BaseException as exc:
+        _end_failed_publication(task_name, task_id, exc)
+        raise
+    finally:
+        context.detach(token)
+
+
+def _end_failed_publication(task_name: str, task_id: str, exc: BaseException) -> None:
+    """End the span Celery's instrumentation started for a publication that raised (it would
+    end it in ``after_task_publish``, which does not come): recorded, failed, forgotten."""
+    from celery import current_app
+    from opentelemetry.instrumentation.celery import utils  # its span store, by (task id, publish)
+
+    task = current_app.tasks.get(task_name)
+    stored = utils.retrieve_context(task, task_id, is_publish=True)
+    if stored is None:
+        return
+    span, activation, _token = stored
+    span.record_exception(exc)
+    span.set_status(error_status(f"publication failed: {exc}"))
+    activation.__exit__(None, None, None)
+    utils.detach_context(task, task_id, is_publish=True)
 
 
 def _clean(attributes: dict[str, Any]) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def publish(execution: Execution, *, task_id: str, countdown: float | None = Non
     from celery import current_app
 
     try:
-        with tracing.under(execution.trace_context):  # Celery's instrumentation makes its span here
+        with tracing.publishing(execution.trace_context, execution.task_name, task_id):
             current_app.send_task(
                 execution.task_name,
                 args=execution.args,
@@ -231,8 +231,6 @@ class _BatchSender:
         headers.update(id=task_id, root_id=root_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr)
         headers[HEADER_EXECUTION] = execution.pk
         headers[HEADER_KEY] = execution.idempotency_key
-        if tracing.ACTIVE:
-            tracing.inject(headers, execution.trace_context)
         if prototype.lease is not None:
             headers[HEADER_LEASE] = prototype.lease
         properties = dict(properties0)
@@ -250,13 +248,14 @@ class _BatchSender:
             retry = None
         elif prototype.fixed_queue:  # declared with the first message: not with every message
             routed = dict(routed, declare=[])  # a list of its own: kombu may append to it
-        self.amqp.send_task_message(
-            self.producer,
-            execution.task_name,
-            (headers, properties, (args, kwargs, body0[2]), event),
-            retry=retry,
-            **routed,
-        )
+        with tracing.publishing(execution.trace_context, execution.task_name, task_id):
+            self.amqp.send_task_message(
+                self.producer,
+                execution.task_name,
+                (headers, properties, (args, kwargs, body0[2]), event),
+                retry=retry,
+                **routed,
+            )
 
 
 _NUMBERS = frozenset({int, float, bool, type(None)})

@@ -297,8 +297,9 @@ class IdempotentTask(Task):
             except Retry as exc:
                 delay = float(exc.when) if isinstance(exc.when, (int, float)) else 0.0
                 parked = delay > platform_settings().max_broker_countdown_seconds
+                outcome = getattr(request, "tp_outcome", None) or "retry"
                 span.set_attributes(
-                    {"taskplatform.outcome": "retry", "taskplatform.retry_in_s": delay, "taskplatform.parked": parked}
+                    {"taskplatform.outcome": outcome, "taskplatform.retry_in_s": delay, "taskplatform.parked": parked}
                 )
                 span.record_exception(exc.exc or exc)
                 raise
@@ -309,13 +310,13 @@ class IdempotentTask(Task):
                 span.set_attribute("taskplatform.outcome", "requeued")
                 raise
             except BaseException as exc:
-                dead = getattr(request, "tp_dead_lettered", False)
-                span.set_attribute("taskplatform.outcome", "dead letter" if dead else "failed")
+                span.set_attribute("taskplatform.outcome", getattr(request, "tp_outcome", None) or "failed")
                 span.record_exception(exc)
                 span.set_status(tracing.error_status(str(exc)))
                 raise
             claimed = getattr(request, "tp_execution", None) is not None
-            span.set_attribute("taskplatform.outcome", "succeeded" if claimed else "absorbed")
+            outcome = getattr(request, "tp_outcome", None) or ("succeeded" if claimed else "absorbed")
+            span.set_attribute("taskplatform.outcome", outcome)
             return result
 
     def _claim(
@@ -462,6 +463,7 @@ class IdempotentTask(Task):
         except StaleExecutionError as exc:
             if ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed"):
                 log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
+                request.tp_outcome = "stale: another attempt owns the execution"
                 return None
             return result  # this attempt's own success, recorded by a commit whose reply was lost
         except Ignore:
@@ -495,6 +497,7 @@ class IdempotentTask(Task):
                     exc_info=True,
                     extra={"execution_id": execution.pk, "fencing_token": token},
                 )
+                request.tp_outcome = "unrecorded: left to the rescuer"
                 raise
             self._record_failure(execution, token, exc, worker, started)
         finally:
@@ -566,6 +569,7 @@ class IdempotentTask(Task):
         explicit: PlatformRetry | None = None,
     ) -> None:
         """Record a failed attempt as a retry or a dead letter, then raise for Celery."""
+        request: Any = self.request  # its ``tp_outcome`` is read by the attempt's span (``_run_traced``)
         policy = self.retry_policy(execution.job)  # read now: a job edit applies to this retry
         error = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
         trace = "".join(tb_module.format_exception(exc)) if exc.__traceback__ else ""
@@ -595,6 +599,7 @@ class IdempotentTask(Task):
             )
             if not scheduled:
                 ledger.record_stale_write(execution.pk, token, worker=worker, what="schedule_retry")
+                request.tp_outcome = "stale: another attempt owns the execution"
             raise Retry(
                 message=_retry_message(delay, exc),
                 exc=exc if isinstance(exc, Exception) else None,
@@ -602,10 +607,11 @@ class IdempotentTask(Task):
             )
         if verdict == "retry":
             error = f"{error} (attempts exhausted: {execution.attempts} of {max_attempts})"
-        if not _retry_db(lambda: ledger.dead_letter(execution, token, error=error, traceback=trace, worker=worker)):
+        if _retry_db(lambda: ledger.dead_letter(execution, token, error=error, traceback=trace, worker=worker)):
+            request.tp_outcome = "dead letter"
+        else:
             ledger.record_stale_write(execution.pk, token, worker=worker, what="dead_letter")
-        request: Any = self.request
-        request.tp_dead_lettered = True  # read by the attempt's span (``_run_traced``)
+            request.tp_outcome = "stale: another attempt owns the execution"
         if explicit is not None and not isinstance(exc, Exception):
             raise MaxRetriesExceededError(error)
         raise exc
