@@ -78,9 +78,14 @@ def early(self, n):
 import django
 
 django.setup()
+import sys
+from types import ModuleType
+
 from taskplatform.models import Execution
 
-print("ready", early.name, isinstance(early, IdempotentTask), Execution._meta.label)
+deferred = ["taskplatform.core.leases", "taskplatform.core.ledger", "taskplatform.core.submission"]
+loaded = all(type(sys.modules[name]) is ModuleType for name in deferred)  # executed at ready(), not later
+print("ready", early.name, isinstance(early, IdempotentTask), Execution._meta.label, loaded)
 """
 
 
@@ -91,4 +96,4 @@ def test_the_task_base_imports_before_django_setup(tmp_path: Path) -> None:
         [sys.executable, "-c", CELERY_PY_WITH_A_TASK], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["ready", "adopting.early", "True", "taskplatform.Execution"]
+    assert done.stdout.split() == ["ready", "adopting.early", "True", "taskplatform.Execution", "True"]

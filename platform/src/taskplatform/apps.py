@@ -39,6 +39,7 @@ class TaskPlatformConfig(AppConfig):
 
         from . import checks  # noqa: F401
         from .scheduling.maintenance import start_worker_maintenance, stop_worker_maintenance
+        from .worker.lazy import load_deferred
 
         worker_init.connect(refuse_bad_settings, dispatch_uid="taskplatform.refuse_bad_settings")
         worker_ready.connect(start_worker_maintenance, dispatch_uid="taskplatform.worker_maintenance")
@@ -46,6 +47,7 @@ class TaskPlatformConfig(AppConfig):
 
         install_admin_overview(admin.site)
         start_tracing()
+        load_deferred()  # what taskplatform.tasks deferred, if it was imported before setup
 
 
 def start_tracing() -> bool:
