@@ -17,10 +17,17 @@ from django.utils import timezone
 from django_tasks import TaskResultStatus, task_backends
 from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
 
-from taskplatform.exceptions import IdempotencyKeyConflictError, InvalidArgumentsError
+from taskplatform.core import ledger
+from taskplatform.exceptions import (
+    IdempotencyKeyConflictError,
+    InvalidArgumentsError,
+    InvalidIdempotencyKeyError,
+    LeaseLostError,
+    TaskPlatformError,
+)
 from taskplatform.models import Execution
 from tests.testapp.models import Effect, EffectRaw
-from tests.testapp.tasks import flaky_receipt, hopeless, receipt
+from tests.testapp.tasks import TransientError, flaky_receipt, hopeless, keyless, receipt
 
 pytestmark = [pytest.mark.worker]
 
@@ -116,3 +123,71 @@ def test_bad_input_is_refused_and_nothing_is_recorded() -> None:
     with pytest.raises(TaskResultDoesNotExist):
         task_backends["default"].get_result("not-a-number")
     assert Execution.objects.count() == 0
+
+
+def not_imported_by_workers(n: int) -> int:
+    return n
+
+
+@pytest.mark.django_db
+def test_a_function_no_worker_imports_is_refused_when_decorated() -> None:
+    """Found in review: a function outside an installed app's tasks module (and not in
+    CELERY_IMPORTS) was registered only where its module happened to be imported; the worker
+    rejected its messages and the row was republished forever, never run."""
+    from django_tasks import task
+
+    with pytest.raises(InvalidTaskError, match=r"a worker never imports 'tests\.integration\.test_django_tasks'"):
+        task(not_imported_by_workers)
+
+
+@pytest.mark.django_db
+def test_arguments_by_position_or_by_name_are_one_call_and_a_keyless_key_is_refused() -> None:
+    first = receipt.enqueue("H-1", 10)
+    assert receipt.enqueue(order="H-1", amount=10).id == first.id
+    assert receipt.enqueue("H-1", amount=10).id == first.id
+    with pytest.raises(TypeError):
+        receipt.enqueue("H-2", 10, 11)  # more than the function takes: nothing recorded
+    with pytest.raises(InvalidIdempotencyKeyError, match="returned None"):
+        keyless.enqueue("H-3")
+    assert Execution.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_the_result_counts_from_the_last_operator_requeue_and_names_failures_the_body_did_not_raise() -> None:
+    result = hopeless.enqueue("I-1")
+    pk = int(result.id)
+
+    def attempt(worker: str) -> Any:
+        claim = ledger.claim(
+            Execution.objects.get(pk=pk), worker=worker, celery_task_id="t", lease_seconds=60, max_attempts=2
+        )
+        assert claim is not None and claim.outcome == "claimed"
+        return claim
+
+    claim = attempt("w:1")
+    ledger.dead_letter(claim.execution, claim.token, error=f"{TransientError.__module__}.TransientError: boom",
+                       traceback="Traceback: boom", worker="w:1")  # fmt: skip
+    failed = hopeless.get_result(result.id)
+    assert (failed.status, failed.worker_ids, failed.attempts) == (TaskResultStatus.FAILED, ["w:1"], 1)
+    assert [(e.exception_class, e.traceback) for e in failed.errors] == [(TransientError, "Traceback: boom")]
+    assert failed.started_at is not None
+
+    ledger.operator_transition(pk, "PENDING", user="op", reason="try again", expected_state="FAILED")
+    fresh = hopeless.get_result(result.id)
+    assert (fresh.status, fresh.errors, fresh.worker_ids, fresh.started_at) == (TaskResultStatus.READY, [], [], None)
+
+    claim = attempt("w:2")  # a rescuer's dead letter: the worker was lost, nothing was raised
+    lost_worker = "lease expired during attempt 1 (worker w:2 lost or stalled)"
+    ledger.dead_letter(claim.execution, claim.token, error=lost_worker, traceback="", worker="rescuer")
+    lost = hopeless.get_result(result.id)
+    assert [e.exception_class for e in lost.errors] == [LeaseLostError] and lost.worker_ids == ["w:2"]
+
+    ledger.operator_transition(pk, "PENDING", user="op", reason="once more", expected_state="FAILED")
+    attempt("w:3")
+    ledger.operator_transition(pk, "FAILED", user="op", reason="the gateway is gone", expected_state="RUNNING")
+    stopped = hopeless.get_result(result.id)
+    assert stopped.status == TaskResultStatus.FAILED
+    assert [e.exception_class for e in stopped.errors] == [TaskPlatformError]
+    assert "the gateway is gone" in stopped.errors[0].traceback
+    with pytest.raises(TaskResultDoesNotExist):
+        hopeless.get_result("99999999999999999999")  # beyond a bigint: not a database error

@@ -350,3 +350,8 @@ def hopeless(order: str) -> None:
     """Fails every attempt: a dead letter after two."""
     _count(f"hopeless:{order}")
     raise TransientError(f"order {order} cannot be done")
+
+
+@django_task(key=lambda order: None)
+def keyless(order: str) -> None:
+    """A key function that returns no key: refused at enqueue (else every enqueue is new work)."""

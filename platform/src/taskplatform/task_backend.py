@@ -10,16 +10,20 @@ result is read back through Django's ``TaskResult`` API (``result.refresh()``,
 ``my_task.get_result(id)``). The result id is the execution's primary key.
 
 Each decorated function becomes a Celery task named by its module path
-(``shop.tasks.send_receipt``), registered when its module is imported: define tasks in an
-installed app's ``tasks.py`` (Celery's autodiscovery imports it in the worker) or list their
-module in ``CELERY_IMPORTS``. The decorator takes the platform's options as well as Django's::
+(``shop.tasks.send_receipt``), registered when its module is imported. A worker imports an
+installed app's ``tasks`` module (Celery's autodiscovery) and the modules in ``CELERY_IMPORTS``;
+a function anywhere else is refused when it is decorated (``InvalidTaskError``), since a worker
+would never know it and its executions would never run. The decorator takes the platform's
+options as well as Django's::
 
     @task(key=lambda order_id: f"receipt:{order_id}", retry_on=(TimeoutError,), max_retries=5)
     def send_receipt(order_id: int) -> str: ...
 
 ``key`` derives the idempotency key from the arguments (a second ``enqueue`` with the same key
-and arguments returns the same execution; other arguments raise
-``IdempotencyKeyConflictError``); without it every ``enqueue`` is a new execution. ``atomic``,
+and arguments returns the same execution, however the arguments are passed, by position or by
+name; other arguments raise ``IdempotencyKeyConflictError``; a key function that returns no
+string raises ``InvalidIdempotencyKeyError``); without it every ``enqueue`` is a new execution.
+``submit()`` of the task's name, a job definition and ``.delay()`` use the same key. ``atomic``,
 ``retry_on``, ``max_retries``, ``retry_backoff``, ``retry_backoff_max`` and ``lease_seconds``
 mean what they mean on an ``IdempotentTask``. Priorities other than the default are refused
 (Celery's brokers do not order by django-tasks' -100..100); ``run_after`` is a countdown, parked
@@ -29,9 +33,14 @@ in the ledger when long.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
+from django.apps import apps
+from django.conf import settings
+from django.utils import timezone
 from django.utils.module_loading import import_string
 from django_tasks import DEFAULT_TASK_QUEUE_NAME
 from django_tasks.backends.base import BaseTaskBackend
@@ -41,6 +50,7 @@ from django_tasks.signals import task_enqueued
 
 from .api import submit
 from .domain.states import State
+from .exceptions import InvalidIdempotencyKeyError
 from .models import EventKind, Execution
 from .tasks import IdempotentTask
 
@@ -83,19 +93,28 @@ class LedgerBackend(BaseTaskBackend):
         super().validate_task(task)
         if not isinstance(task, LedgerTask):
             raise InvalidTaskError(f"{self.alias!r} runs LedgerTask tasks (decorate with django_tasks.task)")
+        module = task.func.__module__
+        if module not in worker_modules():
+            raise InvalidTaskError(
+                f"{task.module_path}: a worker never imports {module!r}, so its executions would never run. "
+                "Define the function in an installed app's tasks module, or add its module to CELERY_IMPORTS."
+            )
         _register(task)
 
     def enqueue(self, task: Task[Any, Any], args: Any, kwargs: Any) -> TaskResult[Any]:
         self.validate_task(task)
         assert isinstance(task, LedgerTask)
-        args, kwargs = list(args), dict(kwargs)
-        key = task.key(*args, **kwargs) if task.key is not None else None
+        args, kwargs = _normalised(task, args, kwargs)
+        key = _key(task, args, kwargs)
+        run_after = task.run_after
+        if run_after is not None and timezone.is_naive(run_after):  # USE_TZ = False: local time
+            run_after = timezone.make_aware(run_after)
         execution = submit(
             task.module_path,
             args,
             kwargs,
             idempotency_key=key,
-            eta=task.run_after,
+            eta=run_after,
             queue=None if task.queue_name == DEFAULT_TASK_QUEUE_NAME else task.queue_name,
         )
         result = self._result(task, execution)
@@ -103,56 +122,78 @@ class LedgerBackend(BaseTaskBackend):
         return result
 
     def get_result(self, result_id: str) -> TaskResult[Any]:
-        try:
-            execution = Execution.objects.get(pk=int(result_id))
-        except (ValueError, Execution.DoesNotExist):
-            raise TaskResultDoesNotExist(result_id) from None
+        pk = _primary_key(result_id)
+        execution = Execution.objects.filter(pk=pk).first() if pk is not None else None
+        if execution is None:
+            raise TaskResultDoesNotExist(result_id)
         try:
             task = import_string(execution.task_name)
         except ImportError:
             raise TaskResultDoesNotExist(result_id) from None
-        if not isinstance(task, LedgerTask) or task.backend != self.alias:
+        if not isinstance(task, LedgerTask):
             raise TaskResultDoesNotExist(result_id)
+        if task.backend != self.alias:  # enqueued through a ``using(backend=...)`` copy
+            task = task.using(backend=self.alias)
         return self._result(task, execution)
 
     def _result(self, task: Task[Any, Any], execution: Execution) -> TaskResult[Any]:
         return result_of(task, execution, self.alias)
 
 
+#: A dotted exception class path at the start of a recorded error ("module.Class: message").
+_CLASS_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
+#: The class named for a failure that is not an exception of the body's: a lease that ran out
+#: (the worker died), an operator's decision.
+_NOT_RAISED = "taskplatform.exceptions.LeaseLostError"
+_BY_OPERATOR = "taskplatform.exceptions.TaskPlatformError"
+
+
 def result_of(task: Task[Any, Any], execution: Execution, alias: str) -> TaskResult[Any]:
-    """The django-tasks view of an execution row (and its failure events)."""
-    failures = list(
-        execution.events.filter(kind__in=(EventKind.RETRY_SCHEDULED, EventKind.DEAD_LETTERED))
-        .order_by("at", "pk")
-        .values_list("data", flat=True)
-    )
+    """The django-tasks view of an execution row and its events, since the last time an
+    operator sent it back to ``PENDING`` (which grants a fresh attempt budget: the earlier
+    attempts stay in the console's timeline, not in the result)."""
+    events = list(execution.events.order_by("at", "pk").values("kind", "to_state", "actor", "at", "data", "reason"))
+    requeued = [i for i, e in enumerate(events) if e["kind"] == EventKind.OPERATOR and e["to_state"] == State.PENDING]
+    if requeued:
+        events = events[requeued[-1] + 1 :]
     errors = []
-    for n, data in enumerate(failures, start=1):
-        error = str((data or {}).get("error", ""))
-        last = n == len(failures)
-        trace = execution.last_traceback if last and execution.last_traceback else error
-        errors.append(TaskError(exception_class_path=error.split(":", 1)[0], traceback=trace))
-    owners = list(
-        execution.events.filter(kind__in=(EventKind.CLAIMED, EventKind.TAKEN_OVER))
-        .order_by("at", "pk")
-        .values_list("actor", flat=True)
-    )
+    failures = [e for e in events if e["kind"] in (EventKind.RETRY_SCHEDULED, EventKind.DEAD_LETTERED)]
+    failures += [
+        e for e in events if e["kind"] == EventKind.OPERATOR and e["to_state"] in (State.FAILED, State.CANCELLED)
+    ]
+    for n, event in enumerate(failures, start=1):
+        error = str((event["data"] or {}).get("error", "") or event["reason"] or "")
+        path = error.split(":", 1)[0]
+        if event["kind"] == EventKind.OPERATOR:
+            path, error = _BY_OPERATOR, f"{event['to_state'].lower()} by {event['actor']}: {event['reason']}"
+        elif not _CLASS_PATH.match(path):
+            path = _NOT_RAISED
+        last = n == len(failures) and event["kind"] != EventKind.OPERATOR
+        errors.append(
+            TaskError(
+                exception_class_path=path,
+                traceback=execution.last_traceback if last and execution.last_traceback else error,
+            )
+        )
+    claims = [e for e in events if e["kind"] in (EventKind.CLAIMED, EventKind.TAKEN_OVER)]
+    owners = [e["actor"] for e in claims][: execution.attempts]
     owners += [execution.worker] * (execution.attempts - len(owners))
     status = STATUS[State(execution.state)]
     finished = status in (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
+    first_start = claims[0]["at"] if claims else execution.started_at
     result: TaskResult[Any] = TaskResult(
         task=task,
         id=str(execution.pk),
         status=status,
         enqueued_at=execution.created_at,
-        started_at=execution.started_at,
+        started_at=first_start if execution.attempts else None,
         finished_at=execution.finished_at if finished else None,
-        last_attempted_at=execution.started_at,
+        last_attempted_at=execution.started_at if execution.attempts else None,
         args=list(execution.args),
         kwargs=dict(execution.kwargs),
         backend=alias,
         errors=errors,
-        worker_ids=owners[: execution.attempts],
+        worker_ids=owners,
     )
     if status == TaskResultStatus.SUCCESSFUL:
         object.__setattr__(result, "_return_value", execution.result)
@@ -161,6 +202,49 @@ def result_of(task: Task[Any, Any], execution: Execution, alias: str) -> TaskRes
 
 #: Functions whose Celery task is registered (``using()`` copies validate again).
 _REGISTERED: set[str] = set()
+
+
+def worker_modules() -> set[str]:
+    """The modules a Celery worker of this project imports: each installed app's ``tasks``
+    (autodiscovery) and ``CELERY_IMPORTS`` / ``CELERY_INCLUDE``."""
+    from celery import current_app
+
+    modules = {f"{config.name}.tasks" for config in apps.get_app_configs()}
+    for option in ("imports", "include"):
+        modules.update(current_app.conf.get(option) or ())
+    modules.update(getattr(settings, "CELERY_IMPORTS", ()) or ())
+    return modules
+
+
+def _normalised(task: LedgerTask, args: Any, kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments bound to the function's signature: ``f("A-1", 4200)`` and
+    ``f(order_id="A-1", amount=4200)`` are one call (one key, not a conflict); arguments the
+    function does not take raise ``TypeError`` before anything is recorded."""
+    signature = inspect.signature(task.func)
+    if task.takes_context:
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    bound = signature.bind(*args, **kwargs)
+    return list(bound.args), dict(bound.kwargs)
+
+
+def _key(task: LedgerTask, args: list[Any], kwargs: dict[str, Any]) -> str | None:
+    if task.key is None:
+        return None
+    key = task.key(*args, **kwargs)
+    if not isinstance(key, str) or not key:
+        raise InvalidIdempotencyKeyError(
+            f"{task.module_path}: its key function returned {key!r}, not a string: every enqueue would be "
+            "a new execution (a payment taken twice)"
+        )
+    return key
+
+
+def _primary_key(result_id: str) -> int | None:
+    try:
+        pk = int(result_id)
+    except (TypeError, ValueError):
+        return None
+    return pk if 0 < pk < 2**63 else None
 
 
 def _register(task: LedgerTask) -> None:
@@ -181,9 +265,17 @@ def _register(task: LedgerTask) -> None:
             return target.call(context, *args, **kwargs)
         return target.call(*args, **kwargs)
 
+    key = task.key
+
+    class FunctionTask(IdempotentTask):
+        """``IdempotentTask`` whose key, for ``submit()`` and ``.delay()`` too, is the function's."""
+
+        def derive_idempotency_key(self, *args: Any, **kwargs: Any) -> str | None:
+            return _key(task, list(args), dict(kwargs)) if key is not None else None
+
     shared_task(
         name=name,
-        base=IdempotentTask,
+        base=FunctionTask,
         bind=True,
         atomic=task.atomic,
         autoretry_for=task.retry_on,
