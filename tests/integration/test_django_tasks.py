@@ -68,10 +68,22 @@ def test_an_enqueued_task_is_an_execution_run_once_by_a_worker_and_its_result_re
 
 
 def test_nothing_is_published_when_the_callers_transaction_rolls_back(workers, poll):
+    from celery.signals import before_task_publish
+
     workers.start(concurrency=1)
-    with pytest.raises(RuntimeError), transaction.atomic():
-        receipt.enqueue("B-1", 1)
-        raise RuntimeError("the view failed after enqueueing")
+    published: list[str] = []
+
+    def count(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        published.append(str((headers or {}).get("tp_key")))
+
+    before_task_publish.connect(count, weak=False)
+    try:
+        with pytest.raises(RuntimeError), transaction.atomic():
+            receipt.enqueue("B-1", 1)
+            raise RuntimeError("the view failed after enqueueing")
+        assert published == [], "nothing is published before the commit, nor after a rollback"
+    finally:
+        before_task_publish.disconnect(count)
     later = receipt.enqueue("B-2", 2)
     poll(lambda: finished(later), timeout=30, what="a later task to finish")
     assert Execution.objects.count() == 1

@@ -22,7 +22,7 @@ def test_a_success_whose_prepared_statement_the_server_forgot_runs_no_body_twice
     # the ledger's statements on it, the second makes the server forget them mid-body (its
     # success is then refused as 26000 and must be run again unprepared), the third runs on a
     # process that no longer prepares.
-    workers.start(concurrency=1)
+    worker = workers.start(concurrency=1)
     first = submit("testapp.effect")
     poll(lambda: state_of(first.pk) == "SUCCEEDED", timeout=30, what="first task (statements prepared)")
     lost = submit("testapp.effect_losing_prepared_statements")
@@ -30,6 +30,8 @@ def test_a_success_whose_prepared_statement_the_server_forgot_runs_no_body_twice
     third = submit("testapp.effect")
     poll(lambda: state_of(third.pk) == "SUCCEEDED", timeout=30, what="a task after the loss")
 
+    # The loss did happen (else this test would pass with preparation off, or a new connection).
+    assert "a prepared statement was lost on database 'default' (26000)" in worker.log()
     for execution in (first, lost, third):
         key = execution.idempotency_key
         assert EffectRaw.objects.filter(key=key, phase="started").count() == 1, key
