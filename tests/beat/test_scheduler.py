@@ -32,7 +32,7 @@ from taskplatform.beat import LockedScheduler
 from taskplatform.conf import platform_settings
 from taskplatform.core import ledger
 from taskplatform.exceptions import ConfigurationError
-from taskplatform.models import Execution, JobDefinition, ScheduleCursor, SchedulerFence
+from taskplatform.models import CountsSnapshot, Execution, JobDefinition, ScheduleCursor, SchedulerFence
 from taskplatform.scheduling.leadership import FencedOff
 from taskplatform.scheduling.slots import format_slot
 from taskplatform.scheduling.table import ScheduleTable
@@ -303,6 +303,8 @@ def test_the_leader_runs_the_rescuer_and_prunes_the_ledger(schedulers: Callable[
     assert "rescued" in event_kinds(expired.pk)
     assert not Execution.objects.filter(pk=old.pk).exists()
     assert Execution.objects.filter(pk__in=[recent.pk, dead.pk]).count() == 2
+    snapshot = CountsSnapshot.objects.get(name=CountsSnapshot.EXECUTIONS)  # the counts, for the console
+    assert timezone.now() - snapshot.taken_at < timedelta(seconds=10)
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,34 @@ def test_states_events_and_dead_letters_are_counted(scrape: Any) -> None:
     assert m[("taskplatform_events_window", (("kind", "retry_scheduled"),))] == 0
 
 
+def test_counts_come_from_the_maintenance_snapshot_while_it_is_fresh_and_say_how_old(scrape: Any) -> None:
+    """At a million executions, counting per state on every page and scrape cost 0.2-0.3 s
+    (bench/console.py): the maintenance holder counts every interval instead; readers use that
+    snapshot while it is fresh (three intervals) and say how old it is, else count live."""
+    from taskplatform.console.overview import overview
+    from taskplatform.models import CountsSnapshot
+
+    job = JobDefinition.objects.create(slug="snap", task="testapp.effect")
+    for _ in range(2):
+        submit(job, on_commit=False)
+    snapshot = CountsSnapshot.take()
+    submit(job, on_commit=False)  # after the snapshot: not in it
+
+    view = overview()
+    assert (view.counts["PENDING"], view.counted_at) == (2, snapshot.taken_at)
+    m = scrape()
+    assert m[("taskplatform_executions", (("job", "snap"), ("state", "PENDING")))] == 2
+    assert 0 <= m[("taskplatform_counts_age_seconds", ())] < 30
+
+    stale = timezone.now() - timedelta(seconds=3 * 10 + 1)  # three intervals (10 s by default) and more
+    CountsSnapshot.objects.filter(pk=snapshot.pk).update(taken_at=stale)
+    live = overview()
+    assert (live.counts["PENDING"], live.counted_at) == (3, None)
+    m = scrape()
+    assert m[("taskplatform_executions", (("job", "snap"), ("state", "PENDING")))] == 3
+    assert m[("taskplatform_counts_age_seconds", ())] == 0
+
+
 def test_the_event_window_excludes_older_events(scrape: Any) -> None:
     execution = submit("testapp.effect", on_commit=False)
     effect.apply(task_id=execution.celery_task_id, headers={HEADER_EXECUTION: execution.pk})

@@ -92,6 +92,10 @@ class PlatformSettings:
     #: How often the beat leader prunes the ledger, in seconds.
     prune_interval_seconds: int = 3600
 
+    #: How often the maintenance holder counts executions per state and job for the console's
+    #: landing page and ``/metrics`` (which show how old the counts are), in seconds.
+    counts_interval_seconds: int = 10
+
     # --- the console (the Django admin) ---
     #: Put the console's overview (executions by state, dead letters, the beat) at the top of
     #: the admin's landing page, above what it shows already; False leaves that page alone
@@ -126,7 +130,7 @@ _POSITIVE = frozenset(
         "max_args_bytes", "max_result_bytes", "max_key_length", "lease_seconds", "republish_after_seconds",
         "republish_max_seconds", "rescue_batch_size", "rescue_interval_seconds", "beat_lease_seconds",
         "beat_tick_seconds", "beat_sync_seconds", "beat_batch_size", "prune_interval_seconds",
-        "metrics_window_seconds",
+        "metrics_window_seconds", "counts_interval_seconds",
     }
 )  # fmt: skip
 

@@ -200,6 +200,11 @@ class ExecutionQuerySet(models.QuerySet["Execution"]):
         """Either of the above: what the rescuer should be handling."""
         return self.lease_expired(now) | self.overdue(now)
 
+    def by_state_and_job(self) -> list[tuple[str, str, int]]:
+        """``(state, job slug or "", count)`` for every pair present: one pass over the table."""
+        rows = self.values("state", "job__slug").annotate(n=models.Count("id")).order_by()
+        return [(row["state"], row["job__slug"] or "", row["n"]) for row in rows]
+
 
 class Execution(models.Model):
     """One logical execution, keyed by its idempotency key: the system of record.
@@ -422,3 +427,44 @@ class OperatorAction(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M} {self.user} {self.action} {self.target}"
+
+
+class CountsSnapshot(models.Model):
+    """Executions per state and job, counted by the maintenance holder every
+    ``TASKPLATFORM_COUNTS_INTERVAL_SECONDS``: the console's landing page and ``/metrics`` read
+    these instead of counting a large ledger on every request (at a million executions that
+    count took 0.2-0.3 s a page). A reader that finds none fresh counts live."""
+
+    name = models.CharField(max_length=50, primary_key=True)
+    counts = models.JSONField(default=list, help_text="[[state, job slug, count], ...]")
+    taken_at = models.DateTimeField()
+
+    EXECUTIONS = "executions"
+
+    def __str__(self) -> str:
+        return f"{self.name} at {self.taken_at:%Y-%m-%d %H:%M:%S}"
+
+    @classmethod
+    def take(cls) -> CountsSnapshot:
+        """Count now and store the result (the maintenance duty)."""
+        from django.utils import timezone
+
+        counts = [list(row) for row in Execution.objects.by_state_and_job()]
+        snapshot, _ = cls.objects.update_or_create(
+            name=cls.EXECUTIONS, defaults={"counts": counts, "taken_at": timezone.now()}
+        )
+        return snapshot
+
+    @classmethod
+    def executions(cls, max_age_seconds: float) -> tuple[list[tuple[str, str, int]], Any]:
+        """The counts per state and job, and when they were taken: the stored snapshot if it is
+        at most ``max_age_seconds`` old, else counted now (``taken_at`` None: live)."""
+        from datetime import timedelta
+
+        from django.utils import timezone
+
+        fresh_after = timezone.now() - timedelta(seconds=max_age_seconds)
+        snapshot = cls.objects.filter(name=cls.EXECUTIONS, taken_at__gte=fresh_after).first()
+        if snapshot is not None:
+            return [(str(state), str(job), int(n)) for state, job, n in snapshot.counts], snapshot.taken_at
+        return Execution.objects.by_state_and_job(), None

@@ -16,8 +16,9 @@ from django.db.models import Count
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
+from ..conf import platform_settings
 from ..domain.states import State
-from ..models import Execution, ExecutionEvent
+from ..models import CountsSnapshot, Execution, ExecutionEvent
 from ..observability.metrics import first_event_id_since
 
 #: The chart's series, in drawing order (each coloured by the ``tp-series-<name>`` CSS class).
@@ -31,6 +32,8 @@ class Overview:
     stuck: int
     hours: list[datetime]
     series: dict[str, list[int]] = field(default_factory=dict)
+    #: When the counts per state were taken (the maintenance snapshot), None: counted live.
+    counted_at: datetime | None = None
 
     @property
     def chart(self) -> dict[str, Any]:
@@ -44,8 +47,9 @@ def _hour(value: datetime) -> datetime:
 def overview(now: datetime | None = None) -> Overview:
     now = now or timezone.now()
     counts = {state.value: 0 for state in State}
-    for row in Execution.objects.values("state").annotate(n=Count("id")).order_by():
-        counts[row["state"]] = row["n"]
+    rows, counted_at = CountsSnapshot.executions(max_age_seconds=3 * platform_settings().counts_interval_seconds)
+    for state, _job, n in rows:
+        counts[state] = counts.get(state, 0) + n
     stuck = Execution.objects.stuck(now).count()
     first = _hour(now) - timedelta(hours=23)
     hours = [first + timedelta(hours=i) for i in range(24)]
@@ -75,7 +79,14 @@ def overview(now: datetime | None = None) -> Overview:
             i = index.get(_hour(retry["hour"]))
             if i is not None:
                 series["retried"][i] += retry["n"]
-    return Overview(counts=counts, dead_letters=counts[State.FAILED.value], stuck=stuck, hours=hours, series=series)
+    return Overview(
+        counts=counts,
+        dead_letters=counts[State.FAILED.value],
+        stuck=stuck,
+        hours=hours,
+        series=series,
+        counted_at=counted_at,
+    )
 
 
 def chart_geometry(hours: list[datetime], series: dict[str, list[int]]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from django.utils import timezone
 from ..conf import platform_settings
 from ..domain.states import State
 from ..exceptions import MissingDependencyError
-from ..models import BeatProcess, EventKind, Execution, ExecutionEvent, SchedulerFence
+from ..models import BeatProcess, CountsSnapshot, EventKind, Execution, ExecutionEvent, SchedulerFence
 
 
 def first_event_id_since(moment: datetime) -> int | None:
@@ -75,10 +75,17 @@ class LedgerCollector:
             "taskplatform_executions", "Executions in the ledger, by state and job.", labels=["state", "job"]
         )
         counts: dict[str, int] = {}
-        for row in Execution.objects.values("state", "job__slug").annotate(n=Count("id")).order_by():
-            executions.add_metric([row["state"], row["job__slug"] or ""], row["n"])
-            counts[row["state"]] = counts.get(row["state"], 0) + row["n"]
+        interval = platform_settings().counts_interval_seconds
+        rows, counted_at = CountsSnapshot.executions(max_age_seconds=3 * interval)
+        for state, job, n in rows:
+            executions.add_metric([state, job], n)
+            counts[state] = counts.get(state, 0) + n
         yield executions
+        yield GaugeMetricFamily(
+            "taskplatform_counts_age_seconds",
+            "Age of the executions counts above (the maintenance snapshot; 0: counted at this scrape).",
+            value=(now - counted_at).total_seconds() if counted_at is not None else 0.0,
+        )
         yield GaugeMetricFamily(
             "taskplatform_dead_letters", "Executions in FAILED.", value=counts.get(State.FAILED.value, 0)
         )
@@ -104,8 +111,8 @@ class LedgerCollector:
         start = first_event_id_since(since)
         seen: dict[str, int] = {}
         if start is not None:
-            rows = ExecutionEvent.objects.filter(id__gte=start).values("kind").annotate(n=Count("id")).order_by()
-            seen = {row["kind"]: row["n"] for row in rows}
+            kinds = ExecutionEvent.objects.filter(id__gte=start).values("kind").annotate(n=Count("id")).order_by()
+            seen = {row["kind"]: row["n"] for row in kinds}
         for kind in EventKind:
             events.add_metric([kind.value], seen.get(kind.value, 0))
         yield events

@@ -1,4 +1,5 @@
-"""The fleet's maintenance duties, off any hot thread: the rescuer and ledger pruning.
+"""The fleet's maintenance duties, off any hot thread: the rescuer, the counts snapshot and
+ledger pruning.
 
 One process in the fleet runs them: whichever holds the maintenance lease
 (``MAINTENANCE_LOCK`` on the beat's lock backend). Candidates are the beat leader
@@ -25,6 +26,7 @@ from ..backends.base import Lease, new_owner
 from ..conf import PlatformSettings, platform_settings
 from ..core import ledger
 from ..core.rescuer import run_rescuer
+from ..models import CountsSnapshot
 
 log = logging.getLogger("taskplatform.beat")
 
@@ -96,6 +98,7 @@ class Maintenance(threading.Thread):
 
     def run(self) -> None:
         next_rescue = time.monotonic()
+        next_count = time.monotonic()
         next_prune = time.monotonic() + min(60.0, self.conf.prune_interval_seconds)
         while not self._stop_event.wait(min(1.0, self.conf.rescue_interval_seconds)):
             if not self.is_leading():
@@ -105,6 +108,9 @@ class Maintenance(threading.Thread):
                 if now >= next_rescue:
                     next_rescue = now + self.conf.rescue_interval_seconds
                     run_rescuer()
+                if now >= next_count:
+                    next_count = now + self.conf.counts_interval_seconds
+                    CountsSnapshot.take()
                 if now >= next_prune and self.conf.retention_days > 0:
                     next_prune = now + self.conf.prune_interval_seconds
                     cutoff = timezone.now() - timedelta(days=self.conf.retention_days)
