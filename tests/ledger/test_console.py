@@ -289,6 +289,22 @@ def test_every_reader_of_the_stuck_condition_agrees() -> None:
     assert "taskplatform_expired_leases 1.0" in text and "taskplatform_overdue_unclaimed 2.0" in text
 
 
+def test_search_finds_a_key_by_its_beginning_or_an_execution_by_its_id() -> None:
+    """The search a million-row ledger can afford (bench/console.py): the key's beginning
+    (its pattern index) or the id, not a substring anywhere in four columns."""
+    order = make_execution("order:1234:charge", State.PENDING)
+    other = make_execution("refund:1234", State.PENDING)
+    client = operator()
+
+    def found(term: str) -> set[str]:
+        page = client.get(CHANGELIST, {"q": term}).content.decode()
+        return {key for key in ("order:1234:charge", "refund:1234") if f">{key}<" in page}
+
+    assert found("order:12") == {"order:1234:charge"}
+    assert found("1234") == set()  # in the middle of both keys: not a beginning
+    assert found(str(other.pk)) == {"refund:1234"} and order.pk != other.pk
+
+
 def test_the_detail_page_shows_the_timeline_and_the_traceback() -> None:
     execution = make_execution("detail-1", State.FAILED)
     client = operator()
