@@ -34,7 +34,13 @@ class TaskPlatformConfig(AppConfig):
     def ready(self) -> None:
         """Register the system checks; make workers candidates for the maintenance duties; put
         the console's overview on the admin's landing page."""
-        from celery.signals import worker_init, worker_ready, worker_shutdown
+        from celery.signals import (
+            after_setup_logger,
+            after_setup_task_logger,
+            worker_init,
+            worker_ready,
+            worker_shutdown,
+        )
         from django.contrib import admin
 
         from . import checks  # noqa: F401
@@ -42,6 +48,8 @@ class TaskPlatformConfig(AppConfig):
         from .worker.lazy import load_deferred
 
         worker_init.connect(refuse_bad_settings, dispatch_uid="taskplatform.refuse_bad_settings")
+        after_setup_logger.connect(structured_celery_logs, dispatch_uid="taskplatform.logs")
+        after_setup_task_logger.connect(structured_celery_logs, dispatch_uid="taskplatform.task_logs")
         worker_ready.connect(start_worker_maintenance, dispatch_uid="taskplatform.worker_maintenance")
         worker_shutdown.connect(stop_worker_maintenance, dispatch_uid="taskplatform.worker_maintenance")
 
@@ -65,6 +73,21 @@ def start_tracing() -> bool:
     except RuntimeError as exc:  # the extra is missing: reported by the system checks (E050)
         logging.getLogger("taskplatform.tracing").error("%s; tracing stays off", exc)
         return False
+
+
+def structured_celery_logs(logger: Any = None, **kwargs: Any) -> None:
+    """Celery's ``after_setup_logger``: the worker's and the beat's own log handlers get the
+    execution fields and ``TASKPLATFORM_LOG_FORMAT``, in any project (a project's own
+    ``celery.py`` no longer has to wire it)."""
+    from .conf import platform_settings
+    from .observability.logs import apply_to
+
+    try:
+        kind = platform_settings().log_format
+    except ImproperlyConfigured:  # the worker refuses to start (refuse_bad_settings)
+        return
+    if logger is not None:
+        apply_to(logger, kind)
 
 
 def refuse_bad_settings(sender: object = None, **kwargs: object) -> None:

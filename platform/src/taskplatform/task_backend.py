@@ -157,9 +157,11 @@ def result_of(task: Task[Any, Any], execution: Execution, alias: str) -> TaskRes
     if requeued:
         events = events[requeued[-1] + 1 :]
     errors = []
-    failures = [e for e in events if e["kind"] in (EventKind.RETRY_SCHEDULED, EventKind.DEAD_LETTERED)]
-    failures += [
-        e for e in events if e["kind"] == EventKind.OPERATOR and e["to_state"] in (State.FAILED, State.CANCELLED)
+    failures = [  # in the order they happened
+        e
+        for e in events
+        if e["kind"] in (EventKind.RETRY_SCHEDULED, EventKind.DEAD_LETTERED)
+        or (e["kind"] == EventKind.OPERATOR and e["to_state"] in (State.FAILED, State.CANCELLED))
     ]
     for n, event in enumerate(failures, start=1):
         error = str((event["data"] or {}).get("error", "") or event["reason"] or "")

@@ -12,7 +12,8 @@ remembers which execution each recent task id is for (``remember_task``: from th
 header when it arrives, from the claim when it runs), and the filter fills those lines in.
 
 ``config/settings/base.py`` wires both (``TASKPLATFORM_LOG_FORMAT=json|plain``), and
-``config/celery_app.py`` applies them to Celery's own worker and beat handlers.
+the app (``apps.structured_celery_logs``, on Celery's ``after_setup_logger``) applies them to
+Celery's own worker and beat handlers in any project.
 """
 
 from __future__ import annotations
