@@ -334,7 +334,6 @@ def _sessions_of(role: str) -> int:
 
 
 @pytest.mark.scenario(23, 31)
-@pytest.mark.slow  # in make chaos: keeps CI under its 20 minutes
 def test_database_lock_server_lost_leader_steps_down_and_service_resumes(
     beats: BeatFactory, outage_role: str, empty_broker: None, figures: Any
 ) -> None:

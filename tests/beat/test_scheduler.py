@@ -507,6 +507,15 @@ def test_django_celery_beats_run_columns_are_kept_current(schedulers: Callable[[
     assert (task.total_run_count, task.last_run_at) == (len(slots), slots[-1])
     assert task.date_changed < slots[0], "writing the run columns announces no schedule change"
 
+    # Never backwards: a later write with an older slot (a former leader's) leaves it alone.
+    ahead = timezone.now() + timedelta(hours=1)
+    PeriodicTask.objects.filter(pk=task.pk).update(last_run_at=ahead)
+    again = schedulers()
+    run_beat(again, seconds=1.5)
+    again.close()
+    task.refresh_from_db()
+    assert task.last_run_at == ahead and task.total_run_count > len(slots)
+
 
 @pytest.mark.parametrize(("policy", "runs"), [("run_once", 1), ("skip", 0)])
 def test_an_entry_databasescheduler_ran_starts_from_its_last_run(

@@ -477,7 +477,6 @@ STOP_BEFORE_FENCE = {
     "fault",
     ["del", *(pytest.param(f, marks=pytest.mark.slow) for f in ("flushall", "restart_empty", "del_mid_publication"))],
 )  # one in CI, every fault in make chaos
-@pytest.mark.slow  # in make chaos: keeps CI under its 20 minutes
 def test_the_lock_key_lost_under_a_live_leader_gives_one_publication_per_slot(
     beats: BeatFactory, private_redis: RedisServer, figures: Any, fault: str
 ) -> None:

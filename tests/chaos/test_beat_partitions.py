@@ -28,7 +28,6 @@ pytestmark = [pytest.mark.chaos, pytest.mark.fault, pytest.mark.timeout(180)]
 
 
 @pytest.mark.scenario(23)
-@pytest.mark.slow  # in make chaos: keeps CI under its 20 minutes
 def test_a_leader_cut_off_from_its_lock_backend_stops_and_a_follower_takes_over(
     beats, remote_host, private_redis, figures
 ):

@@ -287,7 +287,6 @@ def test_a_rabbitmq_node_killed_loses_unconfirmed_messages_and_the_rescuer_repub
 @pytest.mark.scenario(9)
 @pytest.mark.timeout(240)
 @override_settings(TASKPLATFORM_REPUBLISH_AFTER_SECONDS=2)
-@pytest.mark.slow  # in make chaos: keeps CI under its 20 minutes
 def test_a_redis_broker_killed_and_restarted_empty_loses_nothing(
     private_redis, use_broker, workers, poll, open_gate, figures
 ):

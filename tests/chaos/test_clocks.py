@@ -34,7 +34,6 @@ def skewed(faketime_lib, offset: str) -> dict[str, str]:
 
 @pytest.mark.scenario(27)
 @pytest.mark.parametrize("offset", ["-90s", pytest.param("+90s", marks=pytest.mark.slow)])  # one in CI
-@pytest.mark.slow  # in make chaos: keeps CI under its 20 minutes
 def test_a_skewed_worker_keeps_its_lease_while_renewing_it(workers, poll, faketime_lib, offset, figures):
     """A body three times its lease long, on a worker 90 s behind (or ahead): never rescued."""
     worker = workers.start(concurrency=1, env=skewed(faketime_lib, offset))

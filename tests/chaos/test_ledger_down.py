@@ -21,7 +21,6 @@ pytestmark = [pytest.mark.chaos, pytest.mark.worker, pytest.mark.fault, pytest.m
 
 
 @pytest.mark.scenario(13)
-@pytest.mark.slow  # in make chaos: keeps CI under its 20 minutes
 def test_a_plain_delay_delivered_while_the_ledger_is_down_runs_once_it_is_back(remote_host, workers, poll, figures):
     """Found in review: the claim failed twice, the exception reached Celery, which acknowledged
     the message: no row, no message, the call was gone."""

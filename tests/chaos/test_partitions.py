@@ -38,7 +38,6 @@ def rescued_and(predicate, poll, what: str) -> None:
 
 
 @pytest.mark.scenario(13)
-@pytest.mark.slow  # in make chaos: keeps CI under its 20 minutes
 def test_an_atomic_body_cut_off_from_postgres_commits_its_effect_once(remote_host, workers, poll, open_gate, figures):
     """The remote worker's attempt loses the database mid-body; its lease expires, a local worker
     runs attempt 2; when the link heals the old attempt's success is refused and its writes

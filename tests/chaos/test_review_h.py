@@ -66,7 +66,6 @@ def test_an_in_doubt_claim_whose_retry_meets_the_outage_still_runs_its_body(pg_p
 @pytest.mark.worker
 @pytest.mark.fault
 @pytest.mark.timeout(120)
-@pytest.mark.slow  # in make chaos: keeps CI under its 20 minutes
 def test_a_plain_call_whose_row_cannot_be_written_is_not_requeued_forever(workers, poll, figures):
     """G5 ("retries that converge") and scenario 37 (foreign content is refused and logged).
     Every ``DatabaseError`` of the claim sends the message back to the queue, a deterministic

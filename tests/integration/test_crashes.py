@@ -103,7 +103,6 @@ def test_worker_main_process_killed_is_rescued_after_its_lease_and_completes_onc
 
 
 @pytest.mark.scenario(15)
-@pytest.mark.slow  # in make chaos: keeps CI under its 20 minutes
 def test_a_poison_message_is_dead_lettered_after_its_attempts(workers, poll, figures):
     workers.start(concurrency=2)
     execution = submit("testapp.poison")  # kills its pool process on every attempt; max_retries=2

@@ -77,8 +77,11 @@ def start_tracing() -> bool:
 
 def structured_celery_logs(logger: Any = None, **kwargs: Any) -> None:
     """Celery's ``after_setup_logger``: the worker's and the beat's own log handlers get the
-    execution fields and ``TASKPLATFORM_LOG_FORMAT``, in any project (a project's own
-    ``celery.py`` no longer has to wire it)."""
+    execution fields, in any project. The format (``TASKPLATFORM_LOG_FORMAT``) replaces
+    Celery's default one; a formatter of the host's own is replaced only when the host set
+    ``TASKPLATFORM_LOG_FORMAT`` itself."""
+    from django.conf import settings
+
     from .conf import platform_settings
     from .observability.logs import apply_to
 
@@ -87,7 +90,8 @@ def structured_celery_logs(logger: Any = None, **kwargs: Any) -> None:
     except ImproperlyConfigured:  # the worker refuses to start (refuse_bad_settings)
         return
     if logger is not None:
-        apply_to(logger, kind)
+        # A host's own formatters stay unless it asked for the platform's format by name.
+        apply_to(logger, kind, only_celerys=not hasattr(settings, "TASKPLATFORM_LOG_FORMAT"))
 
 
 def refuse_bad_settings(sender: object = None, **kwargs: object) -> None:

@@ -446,25 +446,31 @@ class CountsSnapshot(models.Model):
 
     @classmethod
     def take(cls) -> CountsSnapshot:
-        """Count now and store the result (the maintenance duty)."""
-        from django.utils import timezone
-
+        """Count now and store the result (the maintenance duty), stamped by the database's clock."""
         counts = [list(row) for row in Execution.objects.by_state_and_job()]
         snapshot, _ = cls.objects.update_or_create(
-            name=cls.EXECUTIONS, defaults={"counts": counts, "taken_at": timezone.now()}
+            name=cls.EXECUTIONS, defaults={"counts": counts, "taken_at": UtcNow()}
         )
+        snapshot.refresh_from_db(fields=["taken_at"])
         return snapshot
 
     @classmethod
-    def executions(cls, max_age_seconds: float) -> tuple[list[tuple[str, str, int]], Any]:
-        """The counts per state and job, and when they were taken: the stored snapshot if it is
-        at most ``max_age_seconds`` old, else counted now (``taken_at`` None: live)."""
+    def executions(cls, max_age_seconds: float) -> tuple[list[tuple[str, str, int]], Any, float]:
+        """The counts per state and job, when they were taken, and how many seconds ago: the
+        stored snapshot if it is at most ``max_age_seconds`` old, else counted now (``None``,
+        0). Both instants are the database's clock's: a holder whose clock is off neither
+        keeps a dead snapshot fresh nor makes a live one look stale."""
         from datetime import timedelta
 
-        from django.utils import timezone
-
-        fresh_after = timezone.now() - timedelta(seconds=max_age_seconds)
-        snapshot = cls.objects.filter(name=cls.EXECUTIONS, taken_at__gte=fresh_after).first()
-        if snapshot is not None:
-            return [(str(state), str(job), int(n)) for state, job, n in snapshot.counts], snapshot.taken_at
-        return Execution.objects.by_state_and_job(), None
+        row = (
+            cls.objects.filter(name=cls.EXECUTIONS)
+            .annotate(
+                age=models.ExpressionWrapper(UtcNow() - models.F("taken_at"), output_field=models.DurationField())
+            )
+            .values("counts", "taken_at", "age")
+            .first()
+        )
+        if row is not None and row["age"] is not None and row["age"] <= timedelta(seconds=max_age_seconds):
+            counts = [(str(state), str(job), int(n)) for state, job, n in row["counts"]]
+            return counts, row["taken_at"], max(0.0, row["age"].total_seconds())
+        return Execution.objects.by_state_and_job(), None, 0.0

@@ -18,7 +18,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.core.exceptions import PermissionDenied
-from django.core.paginator import Paginator
+from django.core.paginator import EmptyPage, Paginator
 from django.db import connection
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -105,6 +105,17 @@ class EstimatedCountPaginator(Paginator):
                 return int(row[0])
         return super().count
 
+    def validate_number(self, number: Any) -> int:
+        """Any page from the first on: an estimate may be short of the table (the oldest rows
+        would sit past its last page, unreachable) or beyond it (a page past the end is empty)."""
+        try:
+            return super().validate_number(number)
+        except EmptyPage:
+            value = int(number)
+            if value < 1:
+                raise
+            return value
+
 
 class DeadLetterFilter(admin.SimpleListFilter):
     title = "dead letters"
@@ -189,7 +200,7 @@ class ExecutionAdmin(admin.ModelAdmin):
         if not term:
             return queryset, False
         matches = Q(idempotency_key__startswith=term)
-        if term.isdigit() and int(term) < 2**63:
+        if term.isascii() and term.isdigit() and int(term) < 2**63:  # "²".isdigit() too
             matches |= Q(pk=int(term))
         return queryset.filter(matches), False
 

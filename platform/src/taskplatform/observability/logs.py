@@ -138,9 +138,14 @@ def formatter(kind: str) -> logging.Formatter:
     raise ValueError(f"TASKPLATFORM_LOG_FORMAT must be 'json' or 'plain', not {kind!r}")
 
 
-def apply_to(logger: logging.Logger, kind: str) -> None:
-    """Give every handler of ``logger`` the context filter and the chosen formatter (Celery's)."""
+def apply_to(logger: logging.Logger, kind: str, *, only_celerys: bool = False) -> None:
+    """Give every handler of ``logger`` the context filter and the chosen formatter. With
+    ``only_celerys``, a handler keeps a formatter of the host's own (a JSON one for its log
+    shipper, say): only Celery's default formatter, or none, is replaced."""
+    from celery.utils.log import ColorFormatter
+
     for handler in logger.handlers:
         if not any(isinstance(f, ExecutionContextFilter) for f in handler.filters):
             handler.addFilter(ExecutionContextFilter())
-        handler.setFormatter(formatter(kind))
+        if not only_celerys or handler.formatter is None or isinstance(handler.formatter, ColorFormatter):
+            handler.setFormatter(formatter(kind))

@@ -74,18 +74,25 @@ class LedgerCollector:
         executions = GaugeMetricFamily(
             "taskplatform_executions", "Executions in the ledger, by state and job.", labels=["state", "job"]
         )
-        counts: dict[str, int] = {}
         interval = platform_settings().counts_interval_seconds
-        rows, counted_at = CountsSnapshot.executions(max_age_seconds=3 * interval)
+        rows, _counted_at, age = CountsSnapshot.executions(max_age_seconds=3 * interval)
         for state, job, n in rows:
             executions.add_metric([state, job], n)
-            counts[state] = counts.get(state, 0) + n
         yield executions
         yield GaugeMetricFamily(
             "taskplatform_counts_age_seconds",
             "Age of the executions counts above (the maintenance snapshot; 0: counted at this scrape).",
-            value=(now - counted_at).total_seconds() if counted_at is not None else 0.0,
+            value=age,
         )
+        # Counted at the scrape, as alerts need them: dead letters and running attempts (each a
+        # state-led index), so the leases below never mix a snapshot with a live count.
+        counts = {
+            row["state"]: row["n"]
+            for row in Execution.objects.filter(state__in=(State.FAILED, State.RUNNING))
+            .values("state")
+            .annotate(n=Count("id"))
+            .order_by()
+        }
         yield GaugeMetricFamily(
             "taskplatform_dead_letters", "Executions in FAILED.", value=counts.get(State.FAILED.value, 0)
         )

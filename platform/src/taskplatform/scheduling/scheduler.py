@@ -42,7 +42,8 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connection, transaction
-from django.db.models import F
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 from django_celery_beat.schedulers import DatabaseScheduler, ModelEntry
@@ -333,12 +334,17 @@ class LockedScheduler(DatabaseScheduler):
         names = list(runs)
         try:
             for start in range(0, len(names), RUNS_CHUNK):
-                tasks = list(PeriodicTask.objects.filter(name__in=names[start : start + RUNS_CHUNK]).only("id", "name"))
+                chunk = names[start : start + RUNS_CHUNK]
+                tasks = list(PeriodicTask.objects.filter(name__in=chunk).only("id", "name"))
                 for task in tasks:
-                    last, count = runs.pop(task.name)
-                    task.last_run_at = last
+                    last, count = runs[task.name]
+                    # Never backwards: a former leader's late write must not move it back (an
+                    # entry without a cursor starts from it).
+                    task.last_run_at = Greatest(Coalesce(F("last_run_at"), Value(last)), Value(last))
                     task.total_run_count = F("total_run_count") + count
                 PeriodicTask.objects.bulk_update(tasks, ["last_run_at", "total_run_count"])
+                for name in chunk:  # written (or their entry is gone): not to be written again
+                    runs.pop(name, None)
         except Exception as exc:
             log.warning("could not record the schedule's last runs (retried at the next sync): %s", exc)
             for name, (last, count) in runs.items():  # what was not written yet
