@@ -266,7 +266,20 @@ class CeleryPeer:
 
     def wait_done(self, timeout: float) -> int:
         wait_drained(timeout)
-        return 0  # polls Redis, not PostgreSQL
+        if self.variant not in ("ledger", "ledger_delay"):
+            return 0  # polls Redis, not PostgreSQL
+        # The ledger's run ends when every execution is recorded, not when the last message is
+        # acknowledged: a success written behind the pool process (worker/recorder.py) may land
+        # a few milliseconds after its acknowledgement.
+        from taskplatform.models import Execution
+
+        polls, deadline = 0, time.monotonic() + timeout
+        while Execution.objects.filter(state__in=("PENDING", "RUNNING", "RETRYING")).exists():
+            polls += 1
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"executions not finished within {timeout} s")
+            time.sleep(0.002)
+        return polls + 1
 
     def hold(self) -> None:
         from celery import current_app

@@ -224,9 +224,11 @@ class WorkerFactory:
         wait: bool = True,
         command_prefix: list[str] | None = None,
         stdout: Path | None = None,
+        extra_args: list[str] | None = None,
     ) -> Worker:
         """Start a worker; ``command_prefix`` wraps its command (e.g. a test host's ``ip netns exec``);
-        ``stdout``: a file for its standard output (else discarded)."""
+        ``stdout``: a file for its standard output (else discarded); ``extra_args``: more
+        ``celery worker`` options."""
         name = f"w{len(self.workers) + 1}-{uuid.uuid4().hex[:6]}"
         logfile = self.tmp_path / f"{name}.log"
         full_env = celery_env(broker, env)
@@ -234,7 +236,7 @@ class WorkerFactory:
             sys.executable, "-m", "celery", "-A", "config", "worker",
             "-P", pool, "-c", str(concurrency), "-Q", queues,
             "-n", f"{name}@%h", "--without-mingle", "--without-gossip", "--without-heartbeat",
-            "--loglevel", "INFO", "-f", str(logfile),
+            "--loglevel", "INFO", "-f", str(logfile), *(extra_args or []),
         ]  # fmt: skip
         proc = subprocess.Popen(
             [*(command_prefix or []), *cmd], cwd=ROOT, env=full_env,

@@ -38,6 +38,7 @@ class TaskPlatformConfig(AppConfig):
             after_setup_logger,
             after_setup_task_logger,
             worker_init,
+            worker_process_shutdown,
             worker_ready,
             worker_shutdown,
         )
@@ -46,12 +47,17 @@ class TaskPlatformConfig(AppConfig):
         from . import checks  # noqa: F401
         from .scheduling.maintenance import start_worker_maintenance, stop_worker_maintenance
         from .worker.lazy import load_deferred
+        from .worker.recorder import flush_on_exit
 
         worker_init.connect(refuse_bad_settings, dispatch_uid="taskplatform.refuse_bad_settings")
         after_setup_logger.connect(structured_celery_logs, dispatch_uid="taskplatform.logs")
         after_setup_task_logger.connect(structured_celery_logs, dispatch_uid="taskplatform.task_logs")
         worker_ready.connect(start_worker_maintenance, dispatch_uid="taskplatform.worker_maintenance")
         worker_shutdown.connect(stop_worker_maintenance, dispatch_uid="taskplatform.worker_maintenance")
+        # A pool process leaving in an orderly way writes the successes its recorder holds;
+        # the main process (solo and threads pools) does so at worker shutdown.
+        worker_process_shutdown.connect(flush_on_exit, dispatch_uid="taskplatform.success_recorder")
+        worker_shutdown.connect(flush_on_exit, dispatch_uid="taskplatform.success_recorder")
 
         install_admin_overview(admin.site)
         start_tracing()

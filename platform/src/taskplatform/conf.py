@@ -62,6 +62,13 @@ class PlatformSettings:
     #: not track prepared statements (before 1.22, or ``max_prepared_statements = 0``);
     #: otherwise the first loss there fails a transaction, then the process stops preparing.
     prepared_statements: bool = True
+    #: A finished non-atomic body's success is written by a thread of its pool process while
+    #: the process takes its next message (``worker/recorder.py``): one durable commit less in
+    #: each task's cycle. A pool process killed in the milliseconds before that write lands
+    #: leaves its attempt to the rescuer, which runs the body again. False: the pool process
+    #: writes it before Celery acknowledges the message. Atomic bodies always commit their
+    #: success with their writes.
+    deferred_success: bool = True
 
     # --- the beat (taskplatform.beat.LockedScheduler) ---
     #: Lock backend alias the beat leader's lease is held on.

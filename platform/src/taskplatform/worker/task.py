@@ -23,6 +23,7 @@ import logging
 import sys
 import time
 import traceback as tb_module
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
@@ -41,6 +42,7 @@ from ..exceptions import IdempotencyKeyConflictError, StaleExecutionError
 from ..observability.logs import execution_context, remember_task
 from .lazy import lazy_module
 from .owner import owner_alive, worker_identity
+from .recorder import success_recorder
 from .retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -141,6 +143,14 @@ def _record_while_leased(fn: Any, watch: leases.Watch) -> Any:
             log.warning("the ledger is unreachable; retrying to record the success: %s", exc, exc_info=first)
         time.sleep(pause)  # an outage must not spin the pool process
         pause = RECORD_RETRY_SECONDS
+
+
+def _defer_success(task: Task, request: Any) -> bool:
+    """Whether a finished non-atomic body's success goes to the recorder thread: in a worker
+    (not ``apply()`` or an eager call), for a task whose result Celery does not store (one
+    that does keeps read-your-writes: once ``.get()`` returns, the ledger says SUCCEEDED),
+    unless ``TASKPLATFORM_DEFERRED_SUCCESS`` is off."""
+    return task.ignore_result and not request.is_eager and platform_settings().deferred_success
 
 
 #: The longest lease a message may ask for (``HEADER_LEASE``): a week.
@@ -440,6 +450,7 @@ class IdempotentTask(Task):
         body = getattr(self, "_orig_run", self.run)  # bypass Celery's autoretry wrapper
         started = time.monotonic()
         returned = False  # set once the body returned: later errors are the ledger's, not the body's
+        deferred = False  # the success handed to the recorder, which stops the lease's renewal
         try:
             if self.atomic:
                 ignored: Ignore | None = None
@@ -458,7 +469,11 @@ class IdempotentTask(Task):
             else:
                 result = body(*args, **kwargs)
                 returned = True
-                _record_while_leased(lambda: self._record_success(execution, token, result, worker, started), watch)
+                if _defer_success(self, request):
+                    success_recorder().record(self._success_writer(execution, token, result, worker, started, watch))
+                    deferred = True
+                    return result
+                self._record_finished(execution, token, result, worker, started, watch)
             return result
         except StaleExecutionError as exc:
             if ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed"):
@@ -501,7 +516,8 @@ class IdempotentTask(Task):
                 raise
             self._record_failure(execution, token, exc, worker, started)
         finally:
-            leases.lease_keeper().unwatch(watch)
+            if not deferred:
+                leases.lease_keeper().unwatch(watch)
         raise AssertionError("unreachable")  # pragma: no cover - _record_failure always raises
 
     def on_replace(self, sig: Any) -> Any:
@@ -550,11 +566,63 @@ class IdempotentTask(Task):
         transaction.on_commit(publish)
         raise Ignore("Replaced by new task")
 
+    def _record_finished(
+        self,
+        execution: Execution,
+        token: int,
+        result: Any,
+        worker: str,
+        started: float,
+        watch: leases.Watch,
+        until: float | None = None,
+    ) -> None:
+        """The success of a finished non-atomic body, retried while its lease may be live."""
+
+        def write() -> None:
+            self._record_success(execution, token, result, worker, started, until=until)
+
+        _record_while_leased(write, watch)
+
+    def _success_writer(
+        self, execution: Execution, token: int, result: Any, worker: str, started: float, watch: leases.Watch
+    ) -> Callable[[], None]:
+        """The success write of a finished non-atomic body, for the recorder thread
+        (``worker/recorder.py``): what the pool process would do, with the lease renewed until
+        it lands."""
+        started_write = time.monotonic()
+
+        def write() -> None:
+            with execution_context(execution.pk, execution.idempotency_key, token):
+                try:
+                    self._record_finished(execution, token, result, worker, started, watch, until=started_write)
+                except StaleExecutionError as exc:
+                    if ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed"):
+                        log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
+                except Exception:
+                    log.error(
+                        "success of a finished body could not be recorded; the rescuer will re-queue it",
+                        exc_info=True,
+                        extra={"execution_id": execution.pk, "fencing_token": token},
+                    )
+                    connection.close()
+                finally:
+                    leases.lease_keeper().unwatch(watch)
+
+        return write
+
     def _record_success(
-        self, execution: Execution, token: int, result: Any, worker: str, started: float, note: str = ""
+        self,
+        execution: Execution,
+        token: int,
+        result: Any,
+        worker: str,
+        started: float,
+        note: str = "",
+        until: float | None = None,
     ) -> None:
         stored, why_not = encode_result(result)
-        data: dict[str, Any] = {"duration_ms": round((time.monotonic() - started) * 1000, 1)}
+        ended = time.monotonic() if until is None else until
+        data: dict[str, Any] = {"duration_ms": round((ended - started) * 1000, 1)}
         if why_not or note:
             data["note"] = why_not or note
         ledger.succeed(execution, token, stored, worker=worker, data=data)
