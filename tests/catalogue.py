@@ -29,7 +29,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         WORKER,
         "pool child SIGKILLed mid-body (an OOM kill)",
         "Celery's `reject_on_worker_lost` puts the message back; the new delivery finds the dead "
-        "attempt's lease (owner gone) and takes it over under a new fencing token; one success.",
+        "attempt's lease (owner gone) and takes it over under a new fencing token; one success. "
+        "Killed in the milliseconds after the body returned, before its success was written "
+        "(`worker/recorder.py`), the message is already acknowledged: the rescuer re-queues the "
+        "attempt once its lease expires and the body runs again.",
     ),
     Scenario(
         2,

@@ -319,6 +319,32 @@ def doubled_with_result(self: IdempotentTask, n: int) -> int:
     return 2 * n
 
 
+#: The object ``shared_result`` returns, changed by its ``after_return`` once Celery is done with it.
+SHARED_RESULT: dict[str, Any] = {}
+
+
+class _ChangesItsResultAfterwards(IdempotentTask):
+    def after_return(self, *args: Any, **kwargs: Any) -> None:
+        SHARED_RESULT["value"] = "changed after the body returned"
+
+
+@shared_task(base=_ChangesItsResultAfterwards, bind=True, name="testapp.shared_result")
+def shared_result(self: IdempotentTask, n: int) -> dict[str, Any]:
+    """Returns a module-level object that its own hook changes right after: the ledger must
+    keep what the body returned (``worker/recorder.py`` encodes it before the handoff)."""
+    SHARED_RESULT["value"] = n
+    return SHARED_RESULT
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.parent_state")
+def parent_state(self: IdempotentTask, key: str) -> None:
+    """A callback (``link``): records the state its parent's row has when it runs."""
+    from taskplatform.models import Execution
+
+    state = Execution.objects.get(idempotency_key=key).state
+    EffectRaw.objects.create(key=f"parent-state:{key}", phase=state, pid=os.getpid())
+
+
 # --- Django's task API (django-tasks) on the ledger: taskplatform.task_backend ------------------
 
 from django_tasks import task as django_task  # noqa: E402

@@ -116,8 +116,11 @@ def check_idempotency_key(key: object) -> str:
     return key
 
 
-def encode_result(value: Any) -> tuple[Any, str | None]:
-    """The JSON value to store as a result, or ``(None, why not)`` if it cannot be stored."""
+def encode_result(value: Any, *, copy: bool = False) -> tuple[Any, str | None]:
+    """The JSON value to store as a result, or ``(None, why not)`` if it cannot be stored.
+
+    ``copy``: a copy of the value as JSON reads it back, for a write that happens later on
+    another thread (a shared object the caller changes meanwhile must not change the result)."""
     try:
         encoded = json.dumps(value, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
@@ -125,4 +128,4 @@ def encode_result(value: Any) -> tuple[Any, str | None]:
     limit = platform_settings().max_result_bytes
     if len(encoded.encode()) > limit:
         return None, f"result not stored: {len(encoded)} bytes exceeds TASKPLATFORM_MAX_RESULT_BYTES={limit}"
-    return value, None
+    return (json.loads(encoded) if copy else value), None

@@ -9,25 +9,25 @@ with two commits at 0.54, whatever writes them.
 
 A non-atomic body's success does not need to be durable before the message is acknowledged.
 Once the claim has committed, the ledger owns the execution: its lease and the rescuer bring
-back an attempt that never recorded its end, whatever happened to the message (a pool
-process SIGKILLed after its body already takes that path today: Celery acknowledges the
-message of a lost pool process). So the pool process hands the success to this thread and
-takes its next message while the success commits; the write itself is unchanged (a
-compare-and-set fenced by the token, retried while the lease may be live,
-``_record_while_leased``), and the attempt's lease is renewed until it lands.
+back an attempt that never recorded its end, whatever happened to the message. So the pool
+process hands the success to this thread and takes its next message while the success
+commits; the write itself is unchanged (a compare-and-set fenced by the token, retried while
+the lease may be live), and the attempt's lease is renewed until it lands.
 
-What changes, and is documented (``docs/guarantees.md``):
+The exposure is bounded to one write: a process hands over its next success only once the
+previous one has finished (``record`` waits for it), so a recorder that is stuck (a database
+outage, a lock) holds the pool process as the synchronous write did, rather than letting
+finished attempts pile up behind it. A process that leaves in an orderly way (``--max-tasks-
+per-child``, a warm shutdown, the autoscaler, a cold shutdown's SIGTERM) writes what it holds
+first (``flush``, on Celery's ``worker_process_shutdown``; ``worker_shutdown`` for the solo and
+threads pools), for as long as the write may still succeed: until it lands or the attempt's
+lease is certainly lost.
 
-* a pool process killed in the few milliseconds between the body's return and the commit
-  leaves its attempt to the rescuer, which runs the body again (a re-run explained by a
-  fault, as for a kill a moment earlier);
-* the ledger shows ``SUCCEEDED`` a few milliseconds after Celery's ``task-succeeded``;
-* every pool process holds a second database connection, the recorder's.
-
-A pool process that exits in an orderly way (``max_tasks_per_child``, a warm shutdown, the
-autoscaler) writes what it holds first (``flush``, on Celery's ``worker_process_shutdown``
-and at interpreter exit). ``TASKPLATFORM_DEFERRED_SUCCESS = False`` records in the pool
-process as before. Atomic bodies always record in their own transaction.
+What changes is documented in ``docs/architecture.md`` ("The success, written behind the pool
+process"): a pool process killed in the milliseconds between its body's return and the write
+leaves the attempt to the rescuer, which runs the body again; the ledger says ``SUCCEEDED`` a
+few milliseconds after Celery's ``task-succeeded``; every pool process holds a second database
+connection. ``TASKPLATFORM_DEFERRED_SUCCESS = False`` records in the pool process as before.
 """
 
 from __future__ import annotations
@@ -38,53 +38,72 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..core.leases import Watch
 
 log = logging.getLogger("taskplatform.tasks")
 
-#: How long an orderly exit waits for the recorder to write what it holds.
-FLUSH_SECONDS = 30.0
+#: How often a waiting ``flush`` looks whether the writes it waits for can still land.
+FLUSH_CHECK_SECONDS = 0.5
 
 
 class SuccessRecorder:
-    """One thread per process that runs success writes in the order they were handed over."""
+    """One thread per process that runs success writes, one at a time, in order."""
 
     def __init__(self) -> None:
-        self._pid = 0
-        self._queue: queue.SimpleQueue[Callable[[], None] | threading.Event] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._pending = 0
+        self._reset()
 
-    def record(self, write: Callable[[], None]) -> None:
-        """Run ``write`` on the recorder thread (it handles its own errors)."""
-        with self._lock:
-            if self._pid != os.getpid():  # a forked pool process: the parent's thread is not here
-                self._queue = queue.SimpleQueue()
-                self._thread = None
-                self._pending = 0
-                self._pid = os.getpid()
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="taskplatform-success-recorder", daemon=True)
-                self._thread.start()
-            self._pending += 1
-        self._queue.put(write)
+    def _reset(self) -> None:
+        """A fresh state: at construction, and in a forked child (the parent's thread is not
+        there, and its lock may have been held at the fork)."""
+        self._cond = threading.Condition()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Watch | None] | threading.Event] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._held: list[Watch | None] = []  # the watches of writes handed over, not finished
+
+    def record(self, write: Callable[[], None], watch: Watch | None = None, *, limit: int = 1) -> None:
+        """Run ``write`` on the recorder thread (it handles its own errors); first wait until
+        fewer than ``limit`` writes are outstanding. ``watch`` is the attempt's lease: ``flush``
+        stops waiting for a write whose lease is lost."""
+        with self._cond:
+            while len(self._held) >= limit:
+                self._ensure_thread()
+                self._cond.wait(FLUSH_CHECK_SECONDS)
+            self._ensure_thread()
+            self._held.append(watch)
+            self._queue.put((write, watch))
 
     @property
     def pending(self) -> int:
         """Writes handed over and not finished yet (in this process)."""
-        return self._pending if self._pid == os.getpid() else 0
+        with self._cond:
+            return len(self._held)
 
-    def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
-        """Wait until every write handed over so far has finished; False on timeout."""
-        with self._lock:
-            if self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write handed over so far has finished, or can no longer succeed
+        (its lease is lost), or ``timeout`` passes; True if every write finished."""
+        with self._cond:
+            if not self._held:
                 return True
+            self._ensure_thread()
             done = threading.Event()
             self._queue.put(done)
-        finished = done.wait(timeout)
-        if not finished:
-            log.error("the success recorder did not finish in %.0f s; the rescuer will re-run what it held", timeout)
-        return finished
+        waited = 0.0
+        while not done.wait(FLUSH_CHECK_SECONDS):
+            waited += FLUSH_CHECK_SECONDS
+            with self._cond:
+                hopeless = all(w is not None and w.lost for w in self._held)
+            if hopeless or (timeout is not None and waited >= timeout):
+                log.error("the success recorder did not finish; the rescuer will re-queue what it held")
+                return False
+        return True
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="taskplatform-success-recorder", daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         from django.db import connection
@@ -94,8 +113,9 @@ class SuccessRecorder:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            write, watch = item
             try:
-                item()
+                write()
             except BaseException:  # the thread must live on: each write reports its own failure
                 log.exception("recording a success failed; the rescuer will re-queue the attempt")
                 try:
@@ -103,11 +123,13 @@ class SuccessRecorder:
                 except Exception:
                     log.debug("closing the recorder's connection failed", exc_info=True)
             finally:
-                with self._lock:
-                    self._pending -= 1
+                with self._cond:
+                    self._held.remove(watch)
+                    self._cond.notify_all()
 
 
 _recorder = SuccessRecorder()
+os.register_at_fork(after_in_child=_recorder._reset)
 
 
 def success_recorder() -> SuccessRecorder:
@@ -116,8 +138,8 @@ def success_recorder() -> SuccessRecorder:
 
 
 def flush_on_exit(**_: object) -> None:
-    """Celery's ``worker_process_shutdown`` (and interpreter exit): write what is held."""
+    """Celery's ``worker_process_shutdown`` and ``worker_shutdown``: write what is held."""
     _recorder.flush()
 
 
-atexit.register(flush_on_exit)
+atexit.register(flush_on_exit)  # the solo and threads pools' cold shutdown (prefork children use os._exit)

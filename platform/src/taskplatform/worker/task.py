@@ -23,7 +23,6 @@ import logging
 import sys
 import time
 import traceback as tb_module
-from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
@@ -145,12 +144,29 @@ def _record_while_leased(fn: Any, watch: leases.Watch) -> Any:
         pause = RECORD_RETRY_SECONDS
 
 
+def _ignores_result(task: Task, request: Any) -> bool:
+    """Whether Celery stores no result for this request: the request's own ``ignore_result``
+    (``apply_async(ignore_result=...)``, set on the request only when given) overrides the
+    task's, as Celery's tracer decides (``celery.app.task.get_actual_ignore_result``)."""
+    explicit = vars(request).get("ignore_result")
+    return bool(task.ignore_result if explicit is None else explicit)
+
+
 def _defer_success(task: Task, request: Any) -> bool:
-    """Whether a finished non-atomic body's success goes to the recorder thread: in a worker
-    (not ``apply()`` or an eager call), for a task whose result Celery does not store (one
-    that does keeps read-your-writes: once ``.get()`` returns, the ledger says SUCCEEDED),
-    unless ``TASKPLATFORM_DEFERRED_SUCCESS`` is off."""
-    return task.ignore_result and not request.is_eager and platform_settings().deferred_success
+    """Whether a finished non-atomic body's success goes to the recorder thread
+    (``worker/recorder.py``), unless ``TASKPLATFORM_DEFERRED_SUCCESS`` is off. Not when
+    something may read the ledger as soon as Celery reports the task done: a result Celery
+    stores (once ``.get()`` returns, the ledger says SUCCEEDED; the request's
+    ``ignore_result`` overrides the task's, as in Celery), or a callback, chain or chord
+    Celery publishes right after the body. Not for ``apply()`` and eager calls, and not on
+    SQLite, whose one writer at a time would make the recorder wait for the next body."""
+    if request.is_eager or not platform_settings().deferred_success:
+        return False
+    if not _ignores_result(task, request):
+        return False
+    if request.callbacks or request.chain or request.chord:
+        return False
+    return bool(connection.vendor != "sqlite")
 
 
 #: The longest lease a message may ask for (``HEADER_LEASE``): a week.
@@ -470,9 +486,9 @@ class IdempotentTask(Task):
                 result = body(*args, **kwargs)
                 returned = True
                 if _defer_success(self, request):
-                    success_recorder().record(self._success_writer(execution, token, result, worker, started, watch))
-                    deferred = True
-                    return result
+                    deferred = self._hand_over_success(execution, token, result, worker, started, watch)
+                    if deferred:
+                        return result
                 self._record_finished(execution, token, result, worker, started, watch)
             return result
         except StaleExecutionError as exc:
@@ -575,26 +591,32 @@ class IdempotentTask(Task):
         started: float,
         watch: leases.Watch,
         until: float | None = None,
+        encoded: tuple[Any, str | None] | None = None,
     ) -> None:
         """The success of a finished non-atomic body, retried while its lease may be live."""
 
         def write() -> None:
-            self._record_success(execution, token, result, worker, started, until=until)
+            self._record_success(execution, token, result, worker, started, until=until, encoded=encoded)
 
         _record_while_leased(write, watch)
 
-    def _success_writer(
+    def _hand_over_success(
         self, execution: Execution, token: int, result: Any, worker: str, started: float, watch: leases.Watch
-    ) -> Callable[[], None]:
-        """The success write of a finished non-atomic body, for the recorder thread
+    ) -> bool:
+        """Give the success write of a finished non-atomic body to the recorder thread
         (``worker/recorder.py``): what the pool process would do, with the lease renewed until
-        it lands."""
-        started_write = time.monotonic()
+        it lands. The result is encoded here, now: a shared object the next body or a hook
+        changes must not change it. False if the recorder could not take it (no thread could
+        be started, say): the caller writes it itself."""
+        ended = time.monotonic()
+        encoded = encode_result(result, copy=True)
 
         def write() -> None:
             with execution_context(execution.pk, execution.idempotency_key, token):
                 try:
-                    self._record_finished(execution, token, result, worker, started, watch, until=started_write)
+                    self._record_finished(
+                        execution, token, result, worker, started, watch, until=ended, encoded=encoded
+                    )
                 except StaleExecutionError as exc:
                     if ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed"):
                         log.warning(str(exc), extra={"execution_id": execution.pk, "fencing_token": token})
@@ -608,7 +630,12 @@ class IdempotentTask(Task):
                 finally:
                     leases.lease_keeper().unwatch(watch)
 
-        return write
+        try:
+            success_recorder().record(write, watch)
+        except Exception:
+            log.warning("the success recorder could not take a success; writing it here", exc_info=True)
+            return False
+        return True
 
     def _record_success(
         self,
@@ -619,8 +646,9 @@ class IdempotentTask(Task):
         started: float,
         note: str = "",
         until: float | None = None,
+        encoded: tuple[Any, str | None] | None = None,
     ) -> None:
-        stored, why_not = encode_result(result)
+        stored, why_not = encoded if encoded is not None else encode_result(result)
         ended = time.monotonic() if until is None else until
         data: dict[str, Any] = {"duration_ms": round((ended - started) * 1000, 1)}
         if why_not or note:
