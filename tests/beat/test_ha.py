@@ -286,7 +286,10 @@ def test_redis_lock_server_shutdown_leader_steps_down_and_service_resumes(
     assert private_redis.proc is not None
     private_redis.proc.wait(timeout=10)
     down_at = timezone.now()
-    wait_for(lambda: "steps down" in leader.log(), timeout=15, what="the leader to step down")
+    try:
+        wait_for(lambda: "steps down" in leader.log(), timeout=15, what="the leader to step down")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the leader's log:\n{leader.log()}") from None
     stepped_down = timezone.now()
     wait_until(stepped_down + 3 * SECOND, "the outage to last")
     assert not Execution.objects.filter(created_at__gt=stepped_down).exists(), "published without a lease"
@@ -353,7 +356,10 @@ def test_database_lock_server_lost_leader_steps_down_and_service_resumes(
         cur.execute(f"ALTER ROLE {outage_role} NOLOGIN")
         cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", [outage_role])
     cut_at = timezone.now()
-    wait_for(lambda: "steps down" in leader.log(), timeout=15, what="the leader to step down")
+    try:
+        wait_for(lambda: "steps down" in leader.log(), timeout=15, what="the leader to step down")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the leader's log:\n{leader.log()}") from None
     stepped_down = timezone.now()
     wait_until(timezone.now() + 3 * SECOND, "the outage to last")
     assert not Execution.objects.filter(created_at__gt=cut_at + SECOND).exists(), "published during the outage"
