@@ -31,9 +31,14 @@ install-test: $(VENV)/.installed-test
 run: $(VENV)/.installed-local
 	bin/run-embedded
 
+## The PostgreSQL suite runs in two pytest-xdist processes (each its own test database, broker
+## database and test-host subnet: config/settings/test.py, tests/chaos/hosts.py); most of its
+## time is spent waiting on real workers and beats, not on the two cores. PYTEST_PARALLEL= runs it in one.
+PYTEST_PARALLEL ?= -n 2 --dist worksteal
+
 ## make test: lint, types, the whole suite on PostgreSQL, the portable tests on SQLite and MariaDB, then make run on a fresh clone
 test: $(VENV)/.installed-test lint typecheck
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_PARALLEL) --durations=25
 	DATABASE_URL=sqlite:///$(CURDIR)/var/test-portable.sqlite3 $(BIN)/pytest -m portable tests/ledger tests/locks tests/beat
 	DATABASE_URL=$(MARIADB_URL) $(BIN)/pytest -m portable tests/ledger tests/locks tests/beat
 	bin/check-make-run

@@ -23,7 +23,9 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 
-SUBNET = "10.213"
+#: The test hosts' addresses: one /16 per pytest-xdist process, so that two processes' hosts
+#: never share a link address (``make test`` runs the suite in two).
+SUBNET = f"10.{213 + int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0').removeprefix('gw') or 0)}"
 #: The legacy iptables front end: this kernel has x_tables (``/proc/net/ip_tables_names``).
 IPTABLES = "iptables-legacy"
 
