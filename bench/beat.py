@@ -69,13 +69,52 @@ def reset() -> None:
         cur.execute(
             "TRUNCATE taskplatform_executionevent, taskplatform_execution, taskplatform_jobdefinition, "
             "taskplatform_schedulecursor, taskplatform_schedulerfence, taskplatform_beatprocess, "
-            "taskplatform_locklease, django_celery_beat_periodictask, django_celery_beat_intervalschedule "
+            "taskplatform_locklease, django_celery_beat_periodictask, django_celery_beat_intervalschedule, "
+            "django_celery_beat_crontabschedule "
             "RESTART IDENTITY CASCADE"
         )
 
 
-def populate(kind: str, n: int, every: int) -> None:
-    """``n`` entries due every ``every`` seconds, spread evenly over one period."""
+#: ``--mix``: the scale issue's schedule of 100,000 jobs: a tenth every minute, the rest every
+#: 10 minutes, hourly, or daily crons spread over six IANA zones (LockedScheduler only).
+MIX_ZONES = ("UTC", "Europe/Berlin", "America/New_York", "Asia/Tokyo", "Australia/Sydney", "America/Sao_Paulo")
+
+
+def schedule_of(i: int, n: int, interval: Any, mix: bool, made: dict[Any, Any] | None = None) -> dict[str, Any]:
+    """Entry ``i``'s schedule: ``interval`` (every 60 s), or with ``mix`` the mixed schedule
+    (``made`` keeps the schedule rows created so far)."""
+    from django_celery_beat.models import CrontabSchedule, IntervalSchedule
+
+    if not mix or i % 10 == 0:
+        return {"interval": interval}
+    made = _MADE if made is None else made
+    kind = i % 3
+    if kind < 2:
+        every = (600, 3600)[kind]
+        if every not in made:
+            made[every] = IntervalSchedule.objects.create(every=every, period=IntervalSchedule.SECONDS)
+        return {"interval": made[every]}
+    zone = MIX_ZONES[i % len(MIX_ZONES)]
+    key = (zone, (i // 7) % 60, (i // 11) % 24)
+    if key not in made:
+        made[key] = CrontabSchedule.objects.create(minute=str(key[1]), hour=str(key[2]), timezone=zone)
+    return {"crontab": made[key]}
+
+
+_MADE: dict[Any, Any] = {}
+
+
+def needed_per_second(n: int, mix: bool) -> float:
+    """Publications a second the schedule asks for, on average (``schedule_of``'s periods)."""
+    if not mix:
+        return n / 60
+    per_second = {0: 1 / 600, 1: 1 / 3600, 2: 1 / 86400}
+    return sum(1 / 60 if i % 10 == 0 else per_second[i % 3] for i in range(n))
+
+
+def populate(kind: str, n: int, every: int, mix: bool = False) -> None:
+    """``n`` entries due every ``every`` seconds, spread evenly over one period (``mix``: the
+    mixed schedule of ``schedule_of``)."""
     from celery import current_app
     from celery.schedules import schedule
     from django_celery_beat.models import IntervalSchedule, PeriodicTask
@@ -109,8 +148,8 @@ def populate(kind: str, n: int, every: int) -> None:
     )
     tasks = PeriodicTask.objects.bulk_create(
         PeriodicTask(
-            name=f"job:j{i}", task="taskplatform.trigger_job", args=json.dumps([f"j{i}"]), interval=interval,
-            start_time=epoch + offset,
+            name=f"job:j{i}", task="taskplatform.trigger_job", args=json.dumps([f"j{i}"]),
+            start_time=epoch + offset, **schedule_of(i, n, interval, mix),
         )
         for i, offset in enumerate(offsets)
     )  # fmt: skip
@@ -150,9 +189,10 @@ def lateness_of_ledger(since: datetime) -> dict[str, float]:
     }
 
 
-def run_load(kind: str, n: int, seconds: float) -> dict[str, Any]:
+def run_load(kind: str, n: int, seconds: float, mix: bool = False) -> dict[str, Any]:
     reset()
-    populate(kind, n, every=60)
+    _MADE.clear()
+    populate(kind, n, every=60, mix=mix)
     t0 = time.perf_counter()
     scheduler = build(kind)
     interval = scheduler.tick()
@@ -182,7 +222,8 @@ def run_load(kind: str, n: int, seconds: float) -> dict[str, Any]:
         "tick_mean_ms": round(1000 * statistics.fmean(ticks), 3) if ticks else None,
         "tick_p99_ms": round(1000 * ticks[min(len(ticks) - 1, int(len(ticks) * 0.99))], 3) if ticks else None,
         "published_per_s": round(count / wall, 1),
-        "needed_per_s": round(n / 60, 1),
+        "needed_per_s": round(needed_per_second(n, mix), 1),
+        "mix": mix,
     }
     if kind == "locked":
         result.update(lateness_of_ledger(started_wall))
@@ -285,6 +326,7 @@ def main() -> None:
     parser.add_argument("--failover-wait", type=float, default=60)
     parser.add_argument("--skip-failover", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--mix", action="store_true", help="the mixed schedule (schedule_of), locked only")
     args = parser.parse_args()
 
     from run import ensure_database  # bench/run.py
@@ -302,7 +344,7 @@ def main() -> None:
     loads = []
     for n in (int(x) for x in args.jobs.split(",")):
         for kind in kinds:
-            result = run_load(kind, n, args.seconds)
+            result = run_load(kind, n, args.seconds, mix=args.mix and kind == "locked")
             loads.append(result)
             print(json.dumps(result), flush=True)
     failovers = []

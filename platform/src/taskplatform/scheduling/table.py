@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django_celery_beat.models import PeriodicTask
+from django.db.models import Count, Max, Q, Sum
+from django_celery_beat.models import PeriodicTask, PeriodicTasks
 
 from ..conf import PlatformSettings
 from ..core.validation import is_idempotent
@@ -32,6 +33,13 @@ TRIGGER_TASK = "taskplatform.trigger_job"
 
 #: Rows built between two calls of ``load``'s ``keep_alive`` (a few tens of milliseconds).
 KEEP_ALIVE_EVERY = 500
+
+#: A sync re-reads every row at least this often, even when ``ScheduleTable.unchanged`` saw
+#: nothing change: the backstop for an edit that bypassed every change mark (raw SQL).
+FULL_RELOAD_SECONDS = 600.0
+#: How far before the last full load ``unchanged`` looks for rows whose change stamp it has
+#: not seen: a writer's clock behind the beat's, and a row that committed after its stamp.
+STAMP_MARGIN = timedelta(seconds=300)
 
 
 @dataclass
@@ -157,6 +165,59 @@ class ScheduleTable:
         self.broken: dict[str, str] = {}
         #: Wall time of the previous load: an entry that changed since was edited after it.
         self.loaded_at: datetime | None = None
+        #: What the last full load saw of the change marks (``unchanged``), and when.
+        self._marks: tuple[Any, ...] | None = None
+        #: Per kind of row, how many change stamps the last full load saw within
+        #: ``STAMP_MARGIN`` before it, and the latest.
+        self._recent: dict[str, tuple[int, datetime | None]] = {}
+        self._full_at: datetime | None = None
+
+    def unchanged(self, now: datetime) -> bool:
+        """True when nothing in the schedule tables changed since the last full load, so a
+        sync need not re-read and digest every row (a second at 100,000 entries).
+
+        A change shows in one of the marks it leaves: django-celery-beat's ``PeriodicTasks``
+        stamp (its signals set it on every save and delete of an entry or a schedule, and
+        ``jobs.py`` after its bulk updates; ``DatabaseScheduler`` relies on it alone); the
+        number of entries and job definitions, of enabled ones, of jobs per misfire policy, the
+        sums of their catch-up windows and of the entries' schedule ids (a bulk ``update()`` or
+        ``bulk_create`` sends no signal);
+        the number and the latest of the entries' ``date_changed`` and the jobs' ``updated_at``
+        from ``STAMP_MARGIN`` before the last load on, against what that load saw (an edit
+        whose ``PeriodicTasks`` stamp committed before its row: a load can fall in between).
+        What leaves none of them (raw SQL; a bulk update that swaps two jobs' policies; that
+        race under two edits at once, the later one's row first) is read at the next full
+        load, at most ``FULL_RELOAD_SECONDS`` later. The check is three aggregate queries.
+        """
+        if (
+            self._marks is None
+            or self._full_at is None
+            or now - self._full_at >= timedelta(seconds=FULL_RELOAD_SECONDS)
+        ):
+            return False
+        if self._read_marks() != self._marks:
+            return False
+        since = self._full_at - STAMP_MARGIN
+        for kind, model, stamp in _STAMPED:
+            found = model.objects.filter(**{f"{stamp}__gte": since}).aggregate(n=Count("id"), last=Max(stamp))
+            if (found["n"], found["last"]) != self._recent[kind]:
+                return False
+        return True
+
+    def _read_marks(self) -> tuple[Any, ...]:
+        stamp = PeriodicTasks.objects.filter(ident=1).values_list("last_update", flat=True).first()
+        tasks = PeriodicTask.objects.aggregate(
+            n=Count("id"),
+            on=Count("id", filter=Q(enabled=True)),
+            **{column: Sum(column) for column in ("interval_id", "crontab_id", "clocked_id", "solar_id")},
+        )
+        jobs = JobDefinition.objects.aggregate(
+            n=Count("id"),
+            on=Count("id", filter=Q(enabled=True)),
+            window=Sum("catch_up_window_seconds"),
+            **{policy.value: Count("id", filter=Q(misfire_policy=policy.value)) for policy in MisfirePolicy},
+        )
+        return stamp, *sorted(tasks.items()), *sorted(jobs.items())
 
     def _push(self, entry: SlotEntry) -> None:
         cursor = self.cursors.get(entry.name)
@@ -182,7 +243,17 @@ class ScheduleTable:
         slots from that previous load on (it changed after it): an edit is not a misfire of
         the new schedule, and a slot due between the edit and this load is not lost.
         """
+        if not first and self.unchanged(now):
+            self.loaded_at = now  # nothing changed up to now: an edit after it is owed from here
+            return [], []
+        marks = self._read_marks()  # before the rows: a change between the two is seen next time
+        since = now - STAMP_MARGIN
+        recent = {
+            "job": _latest(JobDefinition.objects.filter(updated_at__gte=since).values_list("updated_at", flat=True)),
+        }
         rows = list(PeriodicTask.objects.values(*_ROW_FIELDS, "date_changed", "last_run_at"))
+        recent["task"] = _latest(row["date_changed"] for row in rows if _at_or_after(row["date_changed"], since))
+        self._marks = None  # until this load has finished: a load cut short is not a baseline
         changed_at = {row["name"]: row.pop("date_changed") for row in rows}  # not part of the digest
         last_run = {row["name"]: row.pop("last_run_at") for row in rows}  # nor this (the leader writes it)
         linked = {row["job__slug"] for row in rows if row["job__id"] is not None}
@@ -246,6 +317,7 @@ class ScheduleTable:
             self.entries.pop(name, None)
             self.cursors.pop(name, None)
             self.broken.pop(name, None)
+        self._marks, self._recent, self._full_at = marks, recent, now
         return resets, gone
 
     def _unseen_since(
@@ -293,6 +365,20 @@ class ScheduleTable:
                 return slot
             heapq.heappop(self.heap)
         return None
+
+
+#: The rows whose change stamps ``ScheduleTable.unchanged`` compares: (kind, model, field).
+_STAMPED = (("task", PeriodicTask, "date_changed"), ("job", JobDefinition, "updated_at"))
+
+
+def _at_or_after(at: datetime | None, since: datetime) -> bool:
+    return at is not None and at >= since
+
+
+def _latest(stamps: Iterable[datetime]) -> tuple[int, datetime | None]:
+    """How many stamps, and the latest (what ``unchanged``'s aggregate returns)."""
+    values = list(stamps)
+    return len(values), max(values, default=None)
 
 
 def _loads_safely(text: str | None) -> Any:
