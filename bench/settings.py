@@ -24,6 +24,8 @@ CELERY_TASK_SEND_SENT_EVENT = False
 BENCH_ONCE_REDIS_URL = os.environ.get("BENCH_ONCE_REDIS_URL", "redis://127.0.0.1:6379/12")
 if os.environ.get("BENCH_DB_REUSE_MAX") == "unset":  # Celery's out-of-the-box behaviour
     del CELERY_DB_REUSE_MAX  # noqa: F821
+# BENCH_DEFERRED_SUCCESS=0: the success written in the pool process (worker/recorder.py off), for an A/B.
+TASKPLATFORM_DEFERRED_SUCCESS = os.environ.get("BENCH_DEFERRED_SUCCESS", "1") != "0"
 # Procrastinate (the PostgreSQL-queue peer) imports only the benchmark's jobs, not every
 # app's ``tasks`` module (its default), so its worker does not load the Celery tasks.
 PROCRASTINATE_AUTODISCOVER_MODULE_NAME = ""
