@@ -67,87 +67,116 @@ def test_an_unchanged_schedule_is_not_read_again_until_the_full_reload() -> None
     assert table.entries[name].digest != before
 
 
-def _save_entry(job: JobDefinition) -> None:
-    periodic = PeriodicTask.objects.get(name=entry_name(job))
-    periodic.args = '["inc-0", "saved"]'
-    periodic.save()
+def entries_of(jobs: list[JobDefinition]) -> list[PeriodicTask]:
+    return [PeriodicTask.objects.get(name=entry_name(job)) for job in jobs]
 
 
-def _save_schedule(job: JobDefinition) -> None:
-    periodic = PeriodicTask.objects.get(name=entry_name(job))
-    interval = IntervalSchedule.objects.create(every=90, period=IntervalSchedule.SECONDS)
-    PeriodicTask.objects.filter(pk=periodic.pk).update(interval=interval)  # no signal on the entry
-    interval.every = 120
-    interval.save()  # django-celery-beat's signal on the schedule model stamps PeriodicTasks
+# Each edit below is seen through one mark only (the one named beside it in CHANGES): take that
+# mark out of ``ScheduleTable._read_marks``/``unchanged`` and its case fails.
 
 
-def _bulk_create(job: JobDefinition) -> None:
-    interval = IntervalSchedule.objects.create(every=30, period=IntervalSchedule.SECONDS)
-    PeriodicTask.objects.bulk_create([PeriodicTask(name="inc-bulk", task="testapp.effect", interval=interval)])
+def _crontab_saved(jobs: list[JobDefinition]) -> None:
+    cron = entries_of(jobs)[2].crontab
+    assert cron is not None
+    cron.minute = "*/7"
+    cron.save()  # django-celery-beat's signal on the schedule model stamps PeriodicTasks; no entry row changes
 
 
-def _row_committed_after_its_stamp(job: JobDefinition) -> None:
-    """What a sync can see when it falls between an edit's ``PeriodicTasks`` stamp (pre_save
-    commits it first in autocommit) and the row: the stamp unchanged, the row new."""
-    PeriodicTask.objects.filter(name=entry_name(job)).update(args='["inc-0", "late"]', date_changed=timezone.now())
+def _row_committed_after_its_stamp(jobs: list[JobDefinition]) -> None:
+    """What a sync can see when it falls between an edit's ``PeriodicTasks`` stamp and its row
+    (a writer that stamps first): the stamp unchanged, the row new."""
+    PeriodicTask.objects.filter(name=entry_name(jobs[0])).update(args='["inc-0", "late"]', date_changed=timezone.now())
 
 
-def _raw_delete(job: JobDefinition) -> None:
+def _job_slug_changed(jobs: list[JobDefinition]) -> None:
+    JobDefinition.objects.filter(pk=jobs[0].pk).update(slug="inc-renamed", updated_at=timezone.now())
+
+
+def _pause_swapped(jobs: list[JobDefinition]) -> None:
+    """One job paused, another resumed, in bulk: as many enabled jobs as before."""
+    JobDefinition.objects.filter(pk=jobs[0].pk).update(enabled=False)
+    JobDefinition.objects.filter(pk=jobs[1].pk).update(enabled=True)
+
+
+def _entry_enable_swapped(jobs: list[JobDefinition]) -> None:
+    first, second, _ = entries_of(jobs)
+    PeriodicTask.objects.filter(pk=first.pk).update(enabled=False)
+    PeriodicTask.objects.filter(pk=second.pk).update(enabled=True)
+
+
+def _moved_keeping_the_sum(jobs: list[JobDefinition]) -> None:
+    """Two entries on schedules i and i + 2 (``_set_up``) both moved to schedule i + 1: the
+    plain sum of their schedule ids is kept."""
+    first, second, _ = entries_of(jobs)
+    mid = IntervalSchedule.objects.get(every=62)
+    PeriodicTask.objects.filter(pk__in=[first.pk, second.pk]).update(interval=mid)
+
+
+def _windows_changed_keeping_the_sum(jobs: list[JobDefinition]) -> None:
+    JobDefinition.objects.filter(pk=jobs[0].pk).update(catch_up_window_seconds=600)
+    JobDefinition.objects.filter(pk=jobs[1].pk).update(catch_up_window_seconds=600)
+
+
+def _policies_swapped(jobs: list[JobDefinition]) -> None:
+    JobDefinition.objects.filter(pk=jobs[0].pk).update(misfire_policy="catch_up")
+    JobDefinition.objects.filter(pk=jobs[1].pk).update(misfire_policy="skip")
+
+
+def _entry_deleted_by_raw_sql(jobs: list[JobDefinition]) -> None:
     with connection.cursor() as cur:
-        cur.execute(f"DELETE FROM {PeriodicTask._meta.db_table} WHERE name = %s", ["inc-bulk-gone"])
+        cur.execute(f"DELETE FROM {PeriodicTask._meta.db_table} WHERE name = %s", ["inc-standalone"])
 
 
-def _job_updated(job: JobDefinition) -> None:
-    JobDefinition.objects.filter(pk=job.pk).update(catch_up_window_seconds=30, updated_at=timezone.now())
+def _set_up(change: str, jobs: list[JobDefinition]) -> None:
+    """The state each edit starts from, written before the table's first load."""
+    if change == "an entry deleted by raw SQL":  # a plain django-celery-beat entry, no job
+        interval = IntervalSchedule.objects.create(every=45, period=IntervalSchedule.SECONDS)
+        PeriodicTask.objects.create(name="inc-standalone", task="testapp.effect", interval=interval)
+    if change == "two jobs' pause states swapped in bulk":
+        JobDefinition.objects.filter(pk=jobs[1].pk).update(enabled=False)
+    if change == "two entries' enabled flags swapped in bulk":
+        PeriodicTask.objects.filter(pk=entries_of(jobs)[1].pk).update(enabled=False)
+    if change == "two windows changed keeping their sum":
+        JobDefinition.objects.filter(pk=jobs[0].pk).update(catch_up_window_seconds=300)
+        JobDefinition.objects.filter(pk=jobs[1].pk).update(catch_up_window_seconds=900)
+    if change == "two policies swapped in bulk":
+        JobDefinition.objects.filter(pk=jobs[0].pk).update(misfire_policy="skip")
+        JobDefinition.objects.filter(pk=jobs[1].pk).update(misfire_policy="catch_up")
+    if change == "two entries moved to a schedule between theirs":
+        low, mid, high = (
+            IntervalSchedule.objects.create(every=e, period=IntervalSchedule.SECONDS) for e in (61, 62, 63)
+        )
+        assert mid.pk - low.pk == high.pk - mid.pk
+        first, second, _ = entries_of(jobs)
+        PeriodicTask.objects.filter(pk=first.pk).update(interval=low)
+        PeriodicTask.objects.filter(pk=second.pk).update(interval=high)
 
 
-def _job_paused_in_bulk(job: JobDefinition) -> None:
-    JobDefinition.objects.filter(pk=job.pk).update(enabled=False)  # no signal, updated_at untouched
-
-
-def _entry_disabled_in_bulk(job: JobDefinition) -> None:
-    PeriodicTask.objects.filter(name=entry_name(job)).update(enabled=False)  # no stamp, no date_changed
-
-
-def _policy_changed_in_bulk(job: JobDefinition) -> None:
-    JobDefinition.objects.filter(pk=job.pk).update(misfire_policy="catch_up")
-
-
-def _window_changed_in_bulk(job: JobDefinition) -> None:
-    JobDefinition.objects.filter(pk=job.pk).update(catch_up_window_seconds=77)
-
-
-def _entry_moved_in_bulk(job: JobDefinition) -> None:
-    other = IntervalSchedule.objects.create(every=75, period=IntervalSchedule.SECONDS)
-    PeriodicTask.objects.filter(name=entry_name(job)).update(interval=other)  # no stamp, no date_changed
-
-
-CHANGES: dict[str, tuple[Callable[[JobDefinition], None], str]] = {
-    "entry moved to another schedule in bulk": (_entry_moved_in_bulk, "the sum of schedule ids"),
-    "job paused in bulk": (_job_paused_in_bulk, "the count of enabled jobs"),
-    "entry disabled in bulk": (_entry_disabled_in_bulk, "the count of enabled entries"),
-    "policy changed in bulk": (_policy_changed_in_bulk, "the count of jobs per misfire policy"),
-    "window changed in bulk": (_window_changed_in_bulk, "the sum of catch-up windows"),
-    "entry saved": (_save_entry, "the PeriodicTasks stamp"),
-    "schedule saved": (_save_schedule, "the PeriodicTasks stamp"),
-    "entry bulk-created": (_bulk_create, "a row change time"),
-    "row committed after its stamp": (_row_committed_after_its_stamp, "a row change time"),
-    "entry deleted by raw SQL": (_raw_delete, "the row count"),
-    "job updated in bulk": (_job_updated, "a job's change time"),
+CHANGES: dict[str, tuple[Callable[[list[JobDefinition]], None], str]] = {
+    "a crontab saved": (_crontab_saved, "the PeriodicTasks stamp"),
+    "a row committed after its stamp": (_row_committed_after_its_stamp, "the entries' latest change stamp"),
+    "a job's slug changed in bulk": (_job_slug_changed, "the jobs' latest change stamp"),
+    "two jobs' pause states swapped in bulk": (_pause_swapped, "the jobs' enabled ids"),
+    "two entries' enabled flags swapped in bulk": (_entry_enable_swapped, "the entries' enabled ids"),
+    "two entries moved to a schedule between theirs": (_moved_keeping_the_sum, "the id-weighted schedule sums"),
+    "two windows changed keeping their sum": (_windows_changed_keeping_the_sum, "the id-weighted window sum"),
+    "two policies swapped in bulk": (_policies_swapped, "the ids per misfire policy"),
+    "an entry deleted by raw SQL": (_entry_deleted_by_raw_sql, "the id-weighted schedule sums"),
 }
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_every_kind_of_edit_is_seen_at_the_next_sync(change: str) -> None:
-    job = make_jobs(2)[0]
-    if change == "entry deleted by raw SQL":
-        interval = IntervalSchedule.objects.create(every=45, period=IntervalSchedule.SECONDS)
-        PeriodicTask.objects.create(name="inc-bulk-gone", task="testapp.effect", interval=interval)
+    jobs = make_jobs(2)
+    cron_job = JobDefinition.objects.create(slug="inc-cron", task="testapp.effect")
+    schedule_job(cron_job, cron="*/5 * * * *")
+    jobs.append(cron_job)
+    _set_up(change, jobs)
     table = loaded_table()
     snapshot = {name: entry.digest for name, entry in table.entries.items()}
     assert table.unchanged(timezone.now())
     edit, mark = CHANGES[change]
-    edit(job)
+    edit(jobs)
     now = timezone.now()
     assert not table.unchanged(now), f"{change}: not seen through {mark}"
     table.load(now, first=False)

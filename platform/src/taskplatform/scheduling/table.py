@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db.models import Count, Max, Q, Sum
+from django.db.models import Count, F, Max, Q, Sum
 from django_celery_beat.models import PeriodicTask, PeriodicTasks
 
 from ..conf import PlatformSettings
@@ -178,16 +178,18 @@ class ScheduleTable:
 
         A change shows in one of the marks it leaves: django-celery-beat's ``PeriodicTasks``
         stamp (its signals set it on every save and delete of an entry or a schedule, and
-        ``jobs.py`` after its bulk updates; ``DatabaseScheduler`` relies on it alone); the
-        number of entries and job definitions, of enabled ones, of jobs per misfire policy, the
-        sums of their catch-up windows and of the entries' schedule ids (a bulk ``update()`` or
-        ``bulk_create`` sends no signal);
+        ``jobs.py`` after its bulk updates; ``DatabaseScheduler`` relies on it alone); sums
+        weighted by row id of the entries' enabled flags and schedules and of the jobs' enabled
+        flags, misfire policies and catch-up windows (a bulk ``update()`` or ``bulk_create``
+        sends no signal; ``_read_marks``);
         the number and the latest of the entries' ``date_changed`` and the jobs' ``updated_at``
         from ``STAMP_MARGIN`` before the last load on, against what that load saw (an edit
         whose ``PeriodicTasks`` stamp committed before its row: a load can fall in between).
-        What leaves none of them (raw SQL; a bulk update that swaps two jobs' policies; that
-        race under two edits at once, the later one's row first) is read at the next full
-        load, at most ``FULL_RELOAD_SECONDS`` later. The check is three aggregate queries.
+        What leaves none of them (raw SQL; a bulk update of any other column, such as an
+        entry's arguments, expiry or start, a crontab's fields, a job's slug; that race under
+        two edits at once, the later one's row first) is read at the next full load, at most
+        ``FULL_RELOAD_SECONDS`` later; slots of the new schedule due before then are not
+        published, the old schedule's are. The check is five aggregate queries.
         """
         if (
             self._marks is None
@@ -205,17 +207,19 @@ class ScheduleTable:
         return True
 
     def _read_marks(self) -> tuple[Any, ...]:
+        """The stamp, and per-row weighted sums of what a bulk ``update()`` changes without a
+        signal: each row's id times its value (or the ids of the rows with a value), so that
+        two edits that cancel out in a count or a plain sum (one job paused, another resumed)
+        still change the mark. Inserts and deletes change them too."""
         stamp = PeriodicTasks.objects.filter(ident=1).values_list("last_update", flat=True).first()
         tasks = PeriodicTask.objects.aggregate(
-            n=Count("id"),
-            on=Count("id", filter=Q(enabled=True)),
-            **{column: Sum(column) for column in ("interval_id", "crontab_id", "clocked_id", "solar_id")},
+            on=Sum("id", filter=Q(enabled=True)),
+            **{column: Sum(F("id") * F(column)) for column in ("interval_id", "crontab_id", "clocked_id", "solar_id")},
         )
         jobs = JobDefinition.objects.aggregate(
-            n=Count("id"),
-            on=Count("id", filter=Q(enabled=True)),
-            window=Sum("catch_up_window_seconds"),
-            **{policy.value: Count("id", filter=Q(misfire_policy=policy.value)) for policy in MisfirePolicy},
+            on=Sum("id", filter=Q(enabled=True)),
+            window=Sum(F("id") * F("catch_up_window_seconds")),
+            **{policy.value: Sum("id", filter=Q(misfire_policy=policy.value)) for policy in MisfirePolicy},
         )
         return stamp, *sorted(tasks.items()), *sorted(jobs.items())
 
