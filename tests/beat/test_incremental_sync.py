@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 from django.utils import timezone
-from django_celery_beat.models import IntervalSchedule, PeriodicTask
+from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 
 from config.celery_app import app as celery_app
 from taskplatform import schedule_job
@@ -75,11 +75,19 @@ def entries_of(jobs: list[JobDefinition]) -> list[PeriodicTask]:
 # mark out of ``ScheduleTable._read_marks``/``unchanged`` and its case fails.
 
 
-def _crontab_saved(jobs: list[JobDefinition]) -> None:
+def _saved_by_a_writer_whose_clock_is_behind(jobs: list[JobDefinition]) -> None:
+    """``save()`` stamps ``PeriodicTasks``; the writer's clock, an hour behind, dates the row's
+    ``date_changed`` before the window ``unchanged`` looks at."""
+    periodic = entries_of(jobs)[0]
+    periodic.args = '["inc-0", "saved"]'
+    periodic.save()
+    PeriodicTask.objects.filter(pk=periodic.pk).update(date_changed=timezone.now() - timedelta(hours=1))
+
+
+def _crontab_changed_in_bulk(jobs: list[JobDefinition]) -> None:
     cron = entries_of(jobs)[2].crontab
     assert cron is not None
-    cron.minute = "*/7"
-    cron.save()  # django-celery-beat's signal on the schedule model stamps PeriodicTasks; no entry row changes
+    CrontabSchedule.objects.filter(pk=cron.pk).update(minute="*/7")  # no signal: django-celery-beat#694
 
 
 def _row_committed_after_its_stamp(jobs: list[JobDefinition]) -> None:
@@ -129,6 +137,8 @@ def _entry_deleted_by_raw_sql(jobs: list[JobDefinition]) -> None:
 
 def _set_up(change: str, jobs: list[JobDefinition]) -> None:
     """The state each edit starts from, written before the table's first load."""
+    if change == "an entry saved by a writer whose clock is behind":  # an old entry, outside the window
+        PeriodicTask.objects.filter(pk=entries_of(jobs)[0].pk).update(date_changed=timezone.now() - timedelta(hours=2))
     if change == "an entry deleted by raw SQL":  # a plain django-celery-beat entry, no job
         interval = IntervalSchedule.objects.create(every=45, period=IntervalSchedule.SECONDS)
         PeriodicTask.objects.create(name="inc-standalone", task="testapp.effect", interval=interval)
@@ -153,7 +163,11 @@ def _set_up(change: str, jobs: list[JobDefinition]) -> None:
 
 
 CHANGES: dict[str, tuple[Callable[[list[JobDefinition]], None], str]] = {
-    "a crontab saved": (_crontab_saved, "the PeriodicTasks stamp"),
+    "an entry saved by a writer whose clock is behind": (
+        _saved_by_a_writer_whose_clock_is_behind,
+        "the PeriodicTasks stamp",
+    ),
+    "a crontab's fields changed in bulk": (_crontab_changed_in_bulk, "the schedule tables, read whole"),
     "a row committed after its stamp": (_row_committed_after_its_stamp, "the entries' latest change stamp"),
     "a job's slug changed in bulk": (_job_slug_changed, "the jobs' latest change stamp"),
     "two jobs' pause states swapped in bulk": (_pause_swapped, "the jobs' enabled ids"),
@@ -200,3 +214,24 @@ def test_a_load_cut_short_is_not_a_baseline(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(RuntimeError):
         table.load(timezone.now(), first=True, keep_alive=fail)
     assert not table.unchanged(timezone.now())
+
+
+def test_an_entry_created_before_a_load_cut_short_is_owed_from_the_load_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry created after a load, then a load that stops before reaching it: the next load
+    owes it slots from the last finished load, not from the one cut short."""
+    make_jobs(1)
+    table = loaded_table()
+    finished_at = table.loaded_at
+    assert finished_at is not None
+    job = JobDefinition.objects.create(slug="inc-new", task="testapp.effect")
+    schedule_job(job, every_seconds=60)
+    monkeypatch.setattr(table_module, "KEEP_ALIVE_EVERY", 1)
+
+    def fail() -> None:
+        raise RuntimeError("database error")
+
+    with pytest.raises(RuntimeError):
+        table.load(timezone.now() + timedelta(seconds=5), first=False, keep_alive=fail)
+    monkeypatch.undo()
+    resets, _gone = table.load(timezone.now() + timedelta(seconds=10), first=False)
+    assert dict(resets)[entry_name(job)] == finished_at

@@ -17,7 +17,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db.models import Count, F, Max, Q, Sum
-from django_celery_beat.models import PeriodicTask, PeriodicTasks
+from django_celery_beat.models import (
+    ClockedSchedule,
+    CrontabSchedule,
+    IntervalSchedule,
+    PeriodicTask,
+    PeriodicTasks,
+    SolarSchedule,
+)
 
 from ..conf import PlatformSettings
 from ..core.validation import is_idempotent
@@ -185,11 +192,13 @@ class ScheduleTable:
         the number and the latest of the entries' ``date_changed`` and the jobs' ``updated_at``
         from ``STAMP_MARGIN`` before the last load on, against what that load saw (an edit
         whose ``PeriodicTasks`` stamp committed before its row: a load can fall in between).
-        What leaves none of them (raw SQL; a bulk update of any other column, such as an
-        entry's arguments, expiry or start, a crontab's fields, a job's slug; that race under
+        The schedule tables themselves (intervals, crontabs, clocked and solar times) are read
+        whole and compared. What leaves none of these marks (raw SQL on an entry or a job; a
+        bulk update of any other of their columns, such as an entry's arguments, expiry or
+        start, a job's slug; that race under
         two edits at once, the later one's row first) is read at the next full load, at most
         ``FULL_RELOAD_SECONDS`` later; slots of the new schedule due before then are not
-        published, the old schedule's are. The check is five aggregate queries.
+        published, the old schedule's are. The check is five aggregate queries and the schedule tables.
         """
         if (
             self._marks is None
@@ -221,7 +230,10 @@ class ScheduleTable:
             window=Sum(F("id") * F("catch_up_window_seconds")),
             **{policy.value: Sum("id", filter=Q(misfire_policy=policy.value)) for policy in MisfirePolicy},
         )
-        return stamp, *sorted(tasks.items()), *sorted(jobs.items())
+        # The schedule tables are read whole: a site has a few hundred schedules for any number
+        # of entries, and a bulk update of a crontab's fields leaves no other mark.
+        schedules = [hash(tuple(model.objects.order_by("pk").values_list(*columns))) for model, columns in _SCHEDULES]
+        return stamp, *sorted(tasks.items()), *sorted(jobs.items()), *schedules
 
     def _push(self, entry: SlotEntry) -> None:
         cursor = self.cursors.get(entry.name)
@@ -273,8 +285,9 @@ class ScheduleTable:
         }
         if first:
             self.cursors = dict(ScheduleCursor.objects.values_list("name", "last_slot"))
+        # ``loaded_at`` moves on only once this load has finished: after a load cut short, the
+        # next one owes what it did not reach from the same moment as it would have.
         since = self.loaded_at or now
-        self.loaded_at = now
         resets: list[tuple[str, datetime]] = []
         seen: set[str] = set()
         for index, row in enumerate(rows):
@@ -322,6 +335,7 @@ class ScheduleTable:
             self.cursors.pop(name, None)
             self.broken.pop(name, None)
         self._marks, self._recent, self._full_at = marks, recent, now
+        self.loaded_at = now
         return resets, gone
 
     def _unseen_since(
@@ -370,6 +384,14 @@ class ScheduleTable:
             heapq.heappop(self.heap)
         return None
 
+
+#: The schedule tables ``ScheduleTable._read_marks`` reads whole, with the columns a slot depends on.
+_SCHEDULES: tuple[tuple[Any, tuple[str, ...]], ...] = (
+    (IntervalSchedule, ("id", "every", "period")),
+    (CrontabSchedule, ("id", "minute", "hour", "day_of_month", "month_of_year", "day_of_week", "timezone")),
+    (ClockedSchedule, ("id", "clocked_time")),
+    (SolarSchedule, ("id", "event", "latitude", "longitude")),
+)
 
 #: The rows whose change stamps ``ScheduleTable.unchanged`` compares: (kind, model, field).
 _STAMPED = (("task", PeriodicTask, "date_changed"), ("job", JobDefinition, "updated_at"))
