@@ -16,10 +16,11 @@ os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/taskpl
 # default is replaced, not an explicit URL: xdist's processes inherit the controller's
 # environment (the default for process 0), and a worker subprocess gets its test's broker.
 # Databases 11-13 are the benchmarks' (bench/settings.py), 11 also the Redis lock tests'.
-_DEFAULT_BROKER = "redis://127.0.0.1:6379/14"
-_XDIST_INDEX = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-if os.environ.get("CELERY_BROKER_URL", _DEFAULT_BROKER) == _DEFAULT_BROKER:
-    os.environ["CELERY_BROKER_URL"] = f"redis://127.0.0.1:6379/{(14, 15, 10, 9)[_XDIST_INDEX]}"
+os.environ["CELERY_BROKER_URL"] = (
+    f"redis://127.0.0.1:6379/{(14, 15, 10, 9)[int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0')[2:] or 0)]}"
+    if os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/14") == "redis://127.0.0.1:6379/14"
+    else os.environ["CELERY_BROKER_URL"]
+)
 
 from django.core.management.utils import get_random_secret_key
 
