@@ -25,7 +25,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Q, Value
 from django.utils import timezone
 
@@ -764,6 +764,29 @@ def rescue_expired(execution: Execution, *, max_attempts: int, now: datetime) ->
     """
     if execution.state != State.RUNNING:
         return "skipped"  # whether its lease ran out is the database's clock's call, in the CAS below
+    try:
+        return _rescue_expired(execution, max_attempts=max_attempts)
+    except OperationalError as exc:
+        # InnoDB picks one of two transactions that lock the row and its events in opposite
+        # orders (the owner renewing its lease, say) and rolls it back whole: nothing was
+        # written. The row is read again at the next pass, as a row that moved meanwhile.
+        if not _deadlock_victim(exc) or connection.in_atomic_block:
+            raise
+        log.info(
+            "rescue of an expired lease lost a deadlock; retried at the next pass", extra={"execution_id": execution.pk}
+        )
+        return "skipped"
+
+
+#: MySQL/MariaDB's "Deadlock found when trying to get lock; try restarting transaction".
+_MYSQL_DEADLOCK = 1213
+
+
+def _deadlock_victim(exc: OperationalError) -> bool:
+    return connection.vendor == "mysql" and bool(exc.args) and exc.args[0] == _MYSQL_DEADLOCK
+
+
+def _rescue_expired(execution: Execution, *, max_attempts: int) -> str:
     owner = execution.worker
     max_attempts = execution.max_attempts or max_attempts
     if execution.attempts >= max_attempts:
