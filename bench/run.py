@@ -60,7 +60,13 @@ VARIANTS = {
     "ledger_delay": "taskplatform IdempotentTask + plain .delay() (worker makes row)",
     "procrastinate": "Procrastinate (PostgreSQL queue, Django contrib)",
     "floor": "plain Celery + two prepared one-row commits a task (the floor)",
+    "limited": "taskplatform submit() under a concurrency limit of 4 (database lock backend)",
+    "limited_redis": "taskplatform submit() under a concurrency limit of 4 (Redis lock backend)",
 }
+#: The ledger variants (their runs end when every execution is recorded).
+LEDGER_VARIANTS = ("ledger", "ledger_delay", "limited", "limited_redis")
+#: The lock backend of ``limited_redis``'s slots (a database the benchmarks own, flushed per run).
+LIMITS_REDIS_URL = "redis://127.0.0.1:6379/12"
 BODY_DESCRIPTIONS = {
     "noop": "no-op",
     "cpu1ms": "1 ms busy loop",
@@ -131,6 +137,8 @@ def start_worker(variant: str) -> tuple[subprocess.Popen[bytes], str]:
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings"}
     if variant == "dcr_default":
         env["BENCH_DB_REUSE_MAX"] = "unset"
+    if variant == "limited_redis":
+        env["TASKPLATFORM_LOCK_URL"] = LIMITS_REDIS_URL
     name = f"bench-{variant}@%h"
     proc = subprocess.Popen(
         [
@@ -187,7 +195,7 @@ def publisher(variant: str, body: str = "noop") -> Any:
     from taskplatform import submit
 
     tasks = TASKS[body]
-    if variant == "ledger":
+    if variant in ("ledger", "limited", "limited_redis"):
         return lambda i: submit(tasks["ledger"], [i])
     family = {
         "plain": "plain",
@@ -211,7 +219,7 @@ def verify(variant: str, body: str, n: int) -> str:
     checks = []
     if body == "write":
         checks.append(f"{BenchEffect.objects.count()}/{n} rows written")
-    if variant in ("ledger", "ledger_delay"):
+    if variant in LEDGER_VARIANTS:
         checks.append(f"{Execution.objects.filter(state='SUCCEEDED').count()}/{n} executions SUCCEEDED")
     elif variant == "floor":
         checks.append(f"{BenchFloor.objects.filter(state='SUCCEEDED').count()}/{n} floor rows SUCCEEDED")
@@ -266,7 +274,7 @@ class CeleryPeer:
 
     def wait_done(self, timeout: float) -> int:
         wait_drained(timeout)
-        if self.variant not in ("ledger", "ledger_delay"):
+        if self.variant not in LEDGER_VARIANTS:
             return 0  # polls Redis, not PostgreSQL
         # The ledger's run ends when every execution is recorded, not when the last message is
         # acknowledged: a success written behind the pool process (worker/recorder.py) may land
@@ -417,10 +425,22 @@ def make_peer(variant: str, body: str) -> Peer:
     return CeleryPeer(variant, body)
 
 
+def set_limit(variant: str, body: str) -> None:
+    """The ``limited`` variants' limit on the ledger task (4 at once: never full at prefork
+    2, so the run measures what a limit costs, not waiting); none for the others."""
+    from bench.benchapp.tasks import TASKS
+    from taskplatform.models import Limit
+
+    Limit.objects.all().delete()
+    if variant.startswith("limited"):
+        Limit.objects.create(task_name=TASKS[body]["ledger"].name, concurrency=4, note="bench")
+
+
 def run_variant(variant: str, n: int, body: str = "noop") -> dict[str, Any]:
     """End to end (publishing while the worker consumes), then drain-only (queue prefilled)."""
     peer = make_peer(variant, body)
     reset_state()
+    set_limit(variant, body)
     peer.start()
     try:
         peer.publish(-1)  # warm-up: imports, connections

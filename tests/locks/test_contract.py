@@ -94,3 +94,32 @@ def test_locks_lists_what_is_held(backend, lock_name):
     lease = backend.acquire(lock_name, 5, identity="a")
     listed = {info.name: info for info in backend.locks()}
     assert listed[lock_name].owner == lease.owner and listed[lock_name].token == lease.token
+
+
+def test_acquire_any_is_a_semaphore_over_its_names(backend, lock_name):
+    """The slots of a fleet-wide limit: each grant a distinct name, none once all are held,
+    a released one granted again, and an expired one too."""
+    names = [f"{lock_name}:{i}" for i in range(3)]
+    grants = [backend.acquire_any(names, 5, identity=f"h{i}") for i in range(3)]
+    assert all(grants) and len({g.name for g in grants}) == 3
+    assert backend.acquire_any(names, 5, identity="late") is None
+    assert backend.release(grants[1])
+    again = backend.acquire_any(names, 5, identity="next")
+    assert again is not None and again.name == grants[1].name and again.token > grants[1].token
+    assert backend.acquire_any([], 5) is None
+    short = [f"{lock_name}:short"]
+    assert backend.acquire_any(short, 0.5, identity="a") is not None
+    assert wait_for(lambda: backend.acquire_any(short, 5, identity="b"), timeout=10, interval=0.05, what="expiry")
+
+
+def test_acquire_any_concurrent_contenders_never_share_a_slot(backend, lock_name):
+    names = [f"{lock_name}:{i}" for i in range(2)]
+
+    def contend(i: int, start) -> Lease | None:
+        start()
+        return backend.acquire_any(names, 10, identity=f"c{i}")
+
+    grants = [lease for lease in race(6, contend) if lease is not None]
+    assert len(grants) <= 2 and len({g.name for g in grants}) == len(grants), "two holders of one slot"
+    if not isinstance(backend, RedlockLockBackend):  # Redlock may split its votes (see above)
+        assert len(grants) == 2

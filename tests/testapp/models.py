@@ -27,3 +27,15 @@ class Gate(models.Model):
 
     name = models.CharField(max_length=100, unique=True)
     open = models.BooleanField(default=False)
+
+
+class Span(models.Model):
+    """When each body run started and ended (the worker's ``time.time()``), with NO constraint:
+    overlapping spans show how many bodies ran at once, and a second run of a key shows twice.
+    A body killed mid-run keeps ``ended`` empty."""
+
+    key = models.CharField(max_length=255, db_index=True)
+    pid = models.IntegerField()
+    fencing_token = models.BigIntegerField(default=0)
+    started = models.FloatField()
+    ended = models.FloatField(null=True)

@@ -12,7 +12,7 @@ from celery.exceptions import Ignore
 
 from taskplatform.tasks import IdempotentTask
 
-from .models import Effect, EffectRaw, Gate
+from .models import Effect, EffectRaw, Gate, Span
 
 
 class TransientError(Exception):
@@ -381,3 +381,22 @@ def hopeless(order: str) -> None:
 @django_task(key=lambda order: None)
 def keyless(order: str) -> None:
     """A key function that returns no key: refused at enqueue (else every enqueue is new work)."""
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.limited")
+def limited(self: IdempotentTask, seconds: float = 0.0) -> None:
+    """A body under a fleet-wide limit in the tests: records its span (start, then end)."""
+    span = Span.objects.create(
+        key=self.idempotency_key, pid=os.getpid(), fencing_token=self.fencing_token or 0, started=time.time()
+    )
+    if seconds:
+        time.sleep(seconds)  # the body's own work
+    Span.objects.filter(pk=span.pk).update(ended=time.time())
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.limited_atomic", atomic=True)
+def limited_atomic(self: IdempotentTask, seconds: float = 0.0) -> None:
+    """An atomic body under a limit: its effect commits with its success, or not at all."""
+    Effect.objects.create(key=self.idempotency_key, fencing_token=self.fencing_token or 0)
+    if seconds:
+        time.sleep(seconds)  # the body's own work

@@ -58,3 +58,17 @@ def test_the_states_reference_document_is_current():
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "reference" / "states.md"
     assert states_markdown() in doc.read_text(), "regenerate with: python manage.py taskplatform states"
+
+
+def test_every_state_has_a_console_colour_and_a_django_tasks_status():
+    """A new state (``WAITING``) must show in the console and read through django-tasks."""
+    from pathlib import Path
+
+    from taskplatform.task_backend import STATUS
+
+    css = (
+        Path(__file__).resolve().parents[2] / "platform/src/taskplatform/static/taskplatform/console.css"
+    ).read_text()
+    for state in State:
+        assert f".tp-state-{state.value.lower()} " in css, state
+        assert state in STATUS, state

@@ -6,6 +6,7 @@ models before the app registry is ready):
 * ``taskplatform.submit`` / ``submit_or_get`` — record an execution and publish it after commit;
 * ``taskplatform.submit_many`` — the same for a batch: one multi-row insert, one batched publication;
 * ``taskplatform.schedule_job`` — give a job definition its schedule (the ``jobs`` service);
+* ``taskplatform.define_limit`` — a fleet-wide concurrency or rate limit for a task or a job;
 * ``taskplatform.tasks.IdempotentTask`` — the task base class;
 * ``taskplatform.beat.LockedScheduler`` — the value for ``CELERY_BEAT_SCHEDULER``;
 * ``taskplatform.backends.get_lock_backend`` — the plug-in lock backends;
@@ -20,10 +21,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["schedule_job", "submit", "submit_many", "submit_or_get"]
+__all__ = ["define_limit", "schedule_job", "submit", "submit_many", "submit_or_get"]
 
 if TYPE_CHECKING:
-    from .api import schedule_job, submit, submit_many, submit_or_get
+    from .api import define_limit, schedule_job, submit, submit_many, submit_or_get
 
 
 def __getattr__(name: str) -> Any:

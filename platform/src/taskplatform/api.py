@@ -8,6 +8,6 @@ layer: submission in ``core.submission``, job schedules in the ``jobs`` service.
 from __future__ import annotations
 
 from .core.submission import SubmitManyResult, submit, submit_many, submit_or_get
-from .jobs import schedule_job
+from .jobs import define_limit, schedule_job
 
-__all__ = ["SubmitManyResult", "schedule_job", "submit", "submit_many", "submit_or_get"]
+__all__ = ["SubmitManyResult", "define_limit", "schedule_job", "submit", "submit_many", "submit_or_get"]

@@ -69,6 +69,9 @@ class PlatformSettings:
     #: writes it before Celery acknowledges the message. Atomic bodies always commit their
     #: success with their writes.
     deferred_success: bool = True
+    #: How often a worker process re-reads the fleet-wide limits (``Limit``), in seconds:
+    #: an edit in the admin applies within this.
+    limits_refresh_seconds: float = 5.0
 
     # --- the beat (taskplatform.beat.LockedScheduler) ---
     #: Lock backend alias the beat leader's lease is held on.
@@ -137,7 +140,7 @@ _POSITIVE = frozenset(
         "max_args_bytes", "max_result_bytes", "max_key_length", "lease_seconds", "republish_after_seconds",
         "republish_max_seconds", "rescue_batch_size", "rescue_interval_seconds", "beat_lease_seconds",
         "beat_tick_seconds", "beat_sync_seconds", "beat_batch_size", "prune_interval_seconds",
-        "metrics_window_seconds", "counts_interval_seconds",
+        "metrics_window_seconds", "counts_interval_seconds", "limits_refresh_seconds",
     }
 )  # fmt: skip
 

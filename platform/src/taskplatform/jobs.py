@@ -23,7 +23,7 @@ from .core.audit import audit
 from .core.validation import encode_arguments, resolve_task
 from .domain.policies import resolve_error_classes
 from .exceptions import ConfigurationError, SubmissionError, TaskPlatformError
-from .models import JobDefinition
+from .models import JobDefinition, Limit
 from .scheduling.slots import parse_cron
 
 #: The task a job's django-celery-beat entry calls (``worker.builtins.trigger_job``).
@@ -263,3 +263,29 @@ def free_slug(slug: str) -> str:
     while JobDefinition.objects.filter(slug=candidate).exists():
         candidate, n = f"{slug}-copy-{n}", n + 1
     return candidate
+
+
+def define_limit(
+    *,
+    task: str = "",
+    job: JobDefinition | None = None,
+    concurrency: int | None = None,
+    rate: int | None = None,
+    per_seconds: int = 1,
+    backend: str = "default",
+    note: str = "",
+    user: str = "deployment",
+) -> tuple[Limit, bool]:
+    """Create the fleet-wide limit of ``task`` (or of ``job``) unless it exists: an existing
+    one keeps its edits in the admin, as ``define_job`` does. Returns ``(limit, created)``;
+    an invalid limit raises ``ValidationError`` and saves nothing."""
+    from .worker.limits import save_limit
+
+    scope = f"job:{job.pk}" if job is not None else f"task:{task}"
+    existing = Limit.objects.filter(scope=scope).first()
+    if existing is not None:
+        return existing, False
+    limit = Limit(task_name=task, job=job, concurrency=concurrency, rate=rate, per_seconds=per_seconds,
+                  backend=backend, note=note)  # fmt: skip
+    save_limit(limit, user=user, reason="defined by the deployment")
+    return limit, True

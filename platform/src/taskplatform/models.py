@@ -63,6 +63,9 @@ class EventKind(models.TextChoices):
     LEASE_LOST = "lease_lost", "lease renewal refused"
     RESCUED = "rescued", "lease expired; re-queued by the rescuer"
     REPUBLISHED = "republished", "published by the rescuer"
+    WAITING_FOR_LIMIT = "waiting_for_limit", "a fleet-wide limit was full; waiting for a slot"
+    WOKEN = "woken", "published when a slot of its limit freed"
+    SUPERSEDED_DELIVERY = "superseded_delivery", "delivery of a message a newer one replaced absorbed"
     OPERATOR = "operator", "operator action"
 
 
@@ -194,7 +197,9 @@ class ExecutionQuerySet(models.QuerySet["Execution"]):
 
     def overdue(self, now: Any = None) -> ExecutionQuerySet:
         """Waiting past its due time (a lost message, a parked retry not yet published)."""
-        return self.filter(state__in=(State.PENDING, State.RETRYING), due_at__lt=now if now is not None else UtcNow())
+        return self.filter(
+            state__in=(State.PENDING, State.RETRYING, State.WAITING), due_at__lt=now if now is not None else UtcNow()
+        )
 
     def stuck(self, now: Any = None) -> ExecutionQuerySet:
         """Either of the above: what the rescuer should be handling."""
@@ -322,6 +327,87 @@ class ExecutionEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.attempt} {self.from_state}→{self.to_state}"
+
+
+class Limit(models.Model):
+    """A fleet-wide bound on one task's or one job's executions: at most ``concurrency``
+    bodies running at once, at most ``rate`` starts in any ``per_seconds``, across every worker.
+
+    Slots are leases on a lock backend (``worker/limits.py``): a crashed holder's slot frees
+    when its lease runs out. An execution that finds the limit full waits in the ledger
+    (``WAITING``) and is published again when a slot frees; it is not failed.
+    """
+
+    task_name = models.CharField(
+        max_length=200,
+        blank=True,
+        help_text="Registered task name: the limit bounds every execution of this task. Or choose a job.",
+    )
+    job = models.OneToOneField(
+        JobDefinition,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="limit",
+        help_text="A job: the limit bounds the executions of this job only. Or give a task name.",
+    )
+    scope = models.CharField(
+        max_length=220, unique=True, editable=False, help_text="task:<name> or job:<id>, derived on save."
+    )
+    concurrency = models.PositiveIntegerField(
+        null=True, blank=True, help_text="At most this many bodies running at once across all workers; empty: none."
+    )
+    rate = models.PositiveIntegerField(
+        null=True, blank=True, help_text="At most this many starts in any window of per_seconds; empty: none."
+    )
+    per_seconds = models.PositiveIntegerField(default=1, help_text="The rate limit's window, in seconds.")
+    backend = models.CharField(
+        max_length=100,
+        default="default",
+        help_text="Lock backend alias (TASKPLATFORM_LOCK_BACKENDS) holding the slots.",
+    )
+    note = models.TextField(blank=True, help_text="Why this limit: the downstream it protects.")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["scope"]
+        verbose_name = "fleet-wide limit"
+
+    def __str__(self) -> str:
+        parts = []
+        if self.concurrency:
+            parts.append(f"{self.concurrency} at once")
+        if self.rate:
+            parts.append(f"{self.rate} per {self.per_seconds} s")
+        return f"{self.scope or self.derive_scope()}: {', '.join(parts) or 'no bound'}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        self.scope = self.derive_scope()
+        super().save(*args, **kwargs)
+
+    def clean(self) -> None:
+        """Refuse a limit that bounds nothing or names both (or neither) a task and a job.
+        The task name and the backend are checked by ``worker.limits.validate``."""
+        errors: dict[str, Any] = {}
+        if bool(self.task_name) == bool(self.job_id):
+            errors["task_name"] = "give either a task name or a job, not both"
+        if not self.concurrency and not self.rate:
+            errors["concurrency"] = "give a concurrency limit, a rate limit, or both"
+        if self.concurrency is not None and not 1 <= self.concurrency <= MAX_LIMIT_SLOTS:
+            errors["concurrency"] = f"between 1 and {MAX_LIMIT_SLOTS}"
+        if self.rate is not None and not 1 <= self.rate <= MAX_LIMIT_SLOTS:
+            errors["rate"] = f"between 1 and {MAX_LIMIT_SLOTS}"
+        if not 1 <= (self.per_seconds or 0) <= 86400:
+            errors["per_seconds"] = "between 1 and 86400 (a day)"
+        if errors:
+            raise ValidationError(errors)
+
+    def derive_scope(self) -> str:
+        return f"job:{self.job_id}" if self.job_id else f"task:{self.task_name}"
+
+
+#: The most slots a limit may have (concurrency or starts per window): each is a lease.
+MAX_LIMIT_SLOTS = 1000
 
 
 class LockLease(models.Model):

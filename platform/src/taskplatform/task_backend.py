@@ -56,10 +56,12 @@ from .tasks import IdempotentTask
 
 __all__ = ["LedgerBackend", "LedgerTask"]
 
-#: The ledger's states as django-tasks statuses: waiting (a first run or a retry) is READY.
+#: The ledger's states as django-tasks statuses: waiting (a first run, a retry, a slot of a
+#: fleet-wide limit) is READY.
 STATUS = {
     State.PENDING: TaskResultStatus.READY,
     State.RETRYING: TaskResultStatus.READY,
+    State.WAITING: TaskResultStatus.READY,
     State.RUNNING: TaskResultStatus.RUNNING,
     State.SUCCEEDED: TaskResultStatus.SUCCESSFUL,
     State.FAILED: TaskResultStatus.FAILED,

@@ -11,7 +11,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from taskplatform.jobs import define_job
+from taskplatform.jobs import define_job, define_limit
 
 JOBS: list[dict[str, Any]] = [
     {
@@ -54,3 +54,10 @@ class Command(BaseCommand):
             job, created = define_job(slug, schedule=schedule, **spec)
             state = "created" if created else "kept"
             self.stdout.write(f"{slug}: {state}, {'enabled' if job.enabled else 'paused'}")
+        # The payment provider's reporting API allows 2 concurrent clients and 10 calls a second:
+        # a fleet-wide limit, whatever the number of workers (docs/limits.md).
+        limit, created = define_limit(
+            task="tasks.reconcile_payment_shard", concurrency=2, rate=10, per_seconds=1,
+            note="The payment provider's reporting API: 2 clients at once, 10 calls a second.",
+        )  # fmt: skip
+        self.stdout.write(f"{limit}: {'created' if created else 'kept'}")

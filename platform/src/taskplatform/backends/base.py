@@ -18,6 +18,7 @@ import socket
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -79,6 +80,17 @@ class LockBackend(ABC):
     @abstractmethod
     def acquire(self, name: str, ttl_seconds: float, identity: str | None = None) -> Lease | None:
         """Take the lock if it is free or expired; None if someone else holds it."""
+
+    def acquire_any(self, names: Sequence[str], ttl_seconds: float, identity: str | None = None) -> Lease | None:
+        """Take the first free lock among ``names``, tried in the order given; None if every
+        one is held. ``names`` are the slots of a semaphore (``worker/limits.py``): each grant is
+        an ordinary lease, renewed and released as such, and freed by its TTL if the holder
+        dies. Backends that can test several names in one round trip override this."""
+        for name in names:
+            lease = self.acquire(name, ttl_seconds, identity)
+            if lease is not None:
+                return lease
+        return None
 
     @abstractmethod
     def renew(self, lease: Lease, ttl_seconds: float | None = None) -> Lease | None:

@@ -10,7 +10,7 @@ lease (see ``docs/locks.md``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,7 +34,20 @@ if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) 
 return 0
 """
 
-SCRIPTS = {"acquire": ACQUIRE, "renew": RENEW, "release": RELEASE}
+#: ``acquire`` over several names at once (KEYS: lock, fence, lock, fence, ...): the first
+#: free one is taken; returns its index (1-based) and token, or false.
+ACQUIRE_ANY = """
+for i = 1, #KEYS, 2 do
+  if redis.call('exists', KEYS[i]) == 0 then
+    local token = redis.call('incr', KEYS[i + 1])
+    redis.call('set', KEYS[i], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
+    return {(i + 1) / 2, token}
+  end
+end
+return false
+"""
+
+SCRIPTS = {"acquire": ACQUIRE, "acquire_any": ACQUIRE_ANY, "renew": RENEW, "release": RELEASE}
 
 
 def import_redis() -> Any:
@@ -108,6 +121,22 @@ class RedisLockBackend(LockBackend):
                 return None
             self._replicated(name)
         return Lease(name, owner, int(token), ttl_seconds, start)
+
+    def acquire_any(self, names: Sequence[str], ttl_seconds: float, identity: str | None = None) -> Lease | None:
+        """Every name tested in one script, so a full semaphore costs one round trip."""
+        if not names:
+            return None
+        ttl_ms = self._ttl_ms(ttl_seconds)
+        owner = new_owner(identity).replace("|", "/")
+        start = time.monotonic()
+        keys = [key for name in names for key in (self.key(name), self.fence_key(name))]
+        with wrapped(self.label, "acquire"):
+            taken = self._run("acquire_any", keys, [owner, ttl_ms])
+            if not taken:
+                return None
+            name = names[int(taken[0]) - 1]
+            self._replicated(name)
+        return Lease(name, owner, int(taken[1]), ttl_seconds, start)
 
     def renew(self, lease: Lease, ttl_seconds: float | None = None) -> Lease | None:
         ttl = ttl_seconds or lease.ttl_seconds

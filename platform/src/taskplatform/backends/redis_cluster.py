@@ -16,8 +16,10 @@ no-op) as the safety net.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
+from .base import Lease, LockBackend
 from .redis import RedisLockBackend
 
 log = logging.getLogger("taskplatform.backends")
@@ -40,6 +42,11 @@ class RedisClusterLockBackend(RedisLockBackend):
         return RedisCluster.from_url(
             self.url, socket_timeout=self.socket_timeout, socket_connect_timeout=self.socket_timeout
         )
+
+    def acquire_any(self, names: Sequence[str], ttl_seconds: float, identity: str | None = None) -> Lease | None:
+        """One name at a time: each name's keys live in their own hash slot, so one script
+        cannot test several (the cross-slot error)."""
+        return LockBackend.acquire_any(self, names, ttl_seconds, identity)
 
     def _replicated(self, name: str) -> None:
         if self.wait_replicas <= 0:

@@ -34,9 +34,19 @@ from ..conf import platform_settings
 from ..domain.states import Actor as _Actor
 from ..domain.states import State, find_transition
 from ..exceptions import TaskPlatformError
-from ..models import BeatProcess, Execution, ExecutionEvent, JobDefinition, LockLease, OperatorAction, SchedulerFence
+from ..models import (
+    BeatProcess,
+    Execution,
+    ExecutionEvent,
+    JobDefinition,
+    Limit,
+    LockLease,
+    OperatorAction,
+    SchedulerFence,
+)
+from ..worker import limits as fleet_limits
 from . import interventions as console
-from .forms import JobDefinitionForm
+from .forms import JobDefinitionForm, LimitForm
 from .forms import preview as schedule_preview
 
 #: The console's stylesheet (state colours for the light and dark themes).
@@ -506,6 +516,36 @@ class JobDefinitionAdmin(admin.ModelAdmin):
             self.message_user(request, f"{job.slug} copied to {copy.slug} (paused).")
 
 
+# --- fleet-wide limits ---------------------------------------------------------------------------
+
+
+@admin.register(Limit)
+class LimitAdmin(admin.ModelAdmin):
+    """Fleet-wide concurrency and rate limits, per task or per job; their holders are on the
+    locks page. Saved and deleted through ``worker.limits`` (validated, audited)."""
+
+    form = LimitForm
+    fields = ("task_name", "job", "concurrency", "rate", "per_seconds", "backend", "note")
+    list_display = ("scope", "concurrency", "rate", "per_seconds", "backend", "waiting", "updated_at")
+    search_fields = ("scope", "task_name", "note")
+    autocomplete_fields = ("job",)
+
+    @admin.display(description="waiting now")
+    def waiting(self, obj: Limit) -> int:
+        rows = Execution.objects.filter(state=State.WAITING)
+        return (rows.filter(job_id=obj.job_id) if obj.job_id else rows.filter(task_name=obj.task_name)).count()
+
+    def save_model(self, request: HttpRequest, obj: Limit, form: Any, change: bool) -> None:
+        fleet_limits.save_limit(obj, user=user_label(request))
+
+    def delete_model(self, request: HttpRequest, obj: Limit) -> None:
+        fleet_limits.delete_limit(obj, user=user_label(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Limit]) -> None:
+        for limit in queryset:
+            fleet_limits.delete_limit(limit, user=user_label(request))
+
+
 # --- locks and leadership ----------------------------------------------------------------------
 
 
@@ -535,6 +575,9 @@ class LockAdmin(admin.ModelAdmin):
         conf = platform_settings()
         aliases = sorted(set(conf.lock_backends or {}) | {"default"})
         backends = []
+        all_limits = list(Limit.objects.all())
+        aliases = sorted(set(aliases) | {limit.backend for limit in all_limits})
+        slots: dict[str, list[Any]] = {}
         for alias in aliases:
             entry: dict[str, Any] = {"alias": alias, "backend": backend_config(alias)["BACKEND"], "locks": []}
             try:
@@ -544,7 +587,11 @@ class LockAdmin(admin.ModelAdmin):
                     info = backend.inspect(conf.beat_lock_name)
                     if info is not None:
                         infos[info.name] = info
-                entry["locks"] = sorted(infos.values(), key=lambda i: i.name)
+                slots[alias] = [i for i in infos.values() if i.name.startswith("limit:")]
+                # A limit's slots are listed under the limit (free ones not at all).
+                entry["locks"] = sorted(
+                    (i for i in infos.values() if not i.name.startswith("limit:")), key=lambda i: i.name
+                )
             except Exception as exc:  # an unreachable lock server is what the page must show
                 entry["error"] = str(exc)
             backends.append(entry)
@@ -562,6 +609,14 @@ class LockAdmin(admin.ModelAdmin):
                 )
             ],
             "beat_lock": conf.beat_lock_name,
+            "limits": [
+                {
+                    "limit": limit,
+                    "holders": fleet_limits.holders(limit, slots[limit.backend]) if limit.backend in slots else [],
+                    "reachable": limit.backend in slots,
+                }
+                for limit in all_limits
+            ],
             "can_release": request.user.has_perm("taskplatform.force_release_locklease"),
             "now": now,
         }

@@ -27,7 +27,7 @@ from .. import jobs
 from ..core.validation import is_idempotent, registered_task
 from ..exceptions import ConfigurationError
 from ..http import unstorable_text
-from ..models import JobDefinition
+from ..models import JobDefinition, Limit
 from ..scheduling.slots import PERIOD_SECONDS, Clocked, Interval, Schedule, parse_cron
 
 SCHEDULE_KINDS = [
@@ -362,3 +362,23 @@ def _max(limit: int, message: str) -> Any:
             raise ValidationError(message)
 
     return check
+
+
+class LimitForm(forms.ModelForm):
+    """A fleet-wide limit: the model's checks plus the task registry and the lock backends
+    (``worker.limits.limit_errors``), each error on its field."""
+
+    class Meta:
+        model = Limit
+        fields = ("task_name", "job", "concurrency", "rate", "per_seconds", "backend", "note")
+
+    def clean(self) -> dict[str, Any]:
+        from ..worker.limits import limit_errors
+
+        cleaned = super().clean() or {}
+
+        probe = Limit(task_name=cleaned.get("task_name") or "", backend=cleaned.get("backend") or "default")
+        for name, message in limit_errors(probe).items():
+            if name not in self.errors:
+                self.add_error(name, message)
+        return cleaned

@@ -420,6 +420,11 @@ def claim(
         else:
             if state == State.RETRYING:
                 only_if.append(_retry_due())
+            elif state == State.WAITING:
+                # Only the row's current message may claim a waiting row: a wake or a
+                # republication replaced the earlier one, which is absorbed when it arrives, so
+                # a row that waits several times keeps one message in flight, not one per wait.
+                only_if.append(Q(celery_task_id=celery_task_id[:255]))
             find_transition(state, State.RUNNING, Actor.WORKER)
             with transaction.atomic():
                 ok = _cas(
@@ -466,6 +471,8 @@ def claim(
             # Nobody moved the row: the database's clock refused the compare-and-set.
             if takeover:
                 return _absorb_duplicate(fresh, worker=worker, celery_task_id=celery_task_id)
+            if state == State.WAITING:
+                return _absorb_superseded(fresh, worker=worker, celery_task_id=celery_task_id)
             return _absorb_early(fresh, worker=worker, celery_task_id=celery_task_id)
         execution = fresh  # somebody else moved it: decide again on fresh data
     raise LedgerError(f"execution {execution.pk}: claim did not settle after 5 tries")
@@ -492,6 +499,21 @@ def _absorb_duplicate(execution: Execution, *, worker: str, celery_task_id: str)
         data={"celery_task_id": celery_task_id, "owner": execution.worker},
     )
     return Claim("duplicate", execution)
+
+
+def _absorb_superseded(execution: Execution, *, worker: str, celery_task_id: str) -> Claim:
+    """Turn away a delivery for a ``WAITING`` row that is not the row's current message (a
+    wake or a republication published a newer one). Nothing is lost: the current message, or
+    the rescuer at ``due_at``, brings the row back."""
+    _event(
+        execution,
+        EventKind.SUPERSEDED_DELIVERY,
+        from_state=execution.state,
+        to_state=execution.state,
+        actor=worker,
+        data={"celery_task_id": celery_task_id, "current": execution.celery_task_id},
+    )
+    return Claim("superseded", execution)
 
 
 def _absorb_early(execution: Execution, *, worker: str, celery_task_id: str) -> Claim:
@@ -701,6 +723,91 @@ def schedule_retry(
         if on_broker:
             publish_on_commit(execution, task_id=task_id, countdown=delay_seconds)
     return True
+
+
+def wait_for_limit(
+    execution: Execution, token: int, *, delay_seconds: float, worker: str, reason: str, data: dict[str, Any]
+) -> bool:
+    """Give back the claim of the attempt holding ``token``: a fleet-wide limit is full.
+
+    The row goes ``RUNNING → WAITING`` with its attempt uncounted (``attempts`` back to what
+    it was before the claim; the fencing token keeps growing). Like a retry's, a short wait
+    rides on the broker as a countdown and a long one is parked; either way ``due_at`` is the
+    rescuer's backstop, and a holder that frees a slot wakes the first waiter at once
+    (``wake_waiter``). Returns False, changing nothing, if ``token`` is stale.
+    """
+    conf = platform_settings()
+    now = timezone.now()
+    delay = timedelta(seconds=max(0.0, delay_seconds))
+    on_broker = delay_seconds <= conf.max_broker_countdown_seconds
+    task_id = new_task_id() if on_broker else ""
+    find_transition(State.RUNNING, State.WAITING, Actor.WORKER)
+    with transaction.atomic():
+        changes: dict[str, Any] = {
+            "state": State.WAITING,
+            "attempts": max(0, execution.attempts - 1),
+            "due_at": _db_now(delay + republish_interval(1) if on_broker else delay),
+            "publish_count": 1 if on_broker else 0,
+            "celery_task_id": task_id,
+            "lease_expires_at": None,
+            "updated_at": now,
+        }
+        if not _cas(execution, State.RUNNING, token, **changes):
+            return False
+        changes["due_at"] = Execution.objects.values_list("due_at", flat=True).get(pk=execution.pk)
+        for name, value in changes.items():
+            setattr(execution, name, value)
+        _event(
+            execution,
+            EventKind.WAITING_FOR_LIMIT,
+            from_state=State.RUNNING,
+            to_state=State.WAITING,
+            actor=worker,
+            reason=reason,
+            data={**data, "delay_seconds": round(delay_seconds, 3), "parked_in_ledger": not on_broker},
+            at=now,
+        )
+        if on_broker:
+            publish_on_commit(execution, task_id=task_id, countdown=delay_seconds)
+    return True
+
+
+def wake_waiter(*, task_name: str | None = None, job_id: int | None = None, actor: str, reason: str) -> bool:
+    """Publish the longest-waiting ``WAITING`` execution of a task (or of a job) now: a slot
+    of its limit has just freed. Its new message supersedes the one it had (see ``claim``).
+    False if nothing waits (or every candidate moved meanwhile)."""
+    scope = Q(task_name=task_name) if job_id is None else Q(job_id=job_id)
+    now = timezone.now()
+    for execution in Execution.objects.filter(scope, state=State.WAITING).order_by("id")[:3]:
+        count = execution.publish_count + 1
+        task_id = new_task_id()
+        with transaction.atomic():
+            if not _cas(
+                execution,
+                State.WAITING,
+                execution.fencing_token,
+                Q(celery_task_id=execution.celery_task_id),
+                publish_count=count,
+                celery_task_id=task_id,
+                due_at=_db_now(republish_interval(count)),
+                updated_at=now,
+            ):
+                continue
+            execution.publish_count = count
+            execution.celery_task_id = task_id
+            _event(
+                execution,
+                EventKind.WOKEN,
+                from_state=State.WAITING,
+                to_state=State.WAITING,
+                actor=actor,
+                reason=reason,
+                data={"publication": count, "celery_task_id": task_id},
+                at=now,
+            )
+            publish_on_commit(execution, task_id=task_id, countdown=None)
+        return True
+    return False
 
 
 def dead_letter(execution: Execution, token: int, *, error: str, traceback: str, worker: str) -> bool:

@@ -100,7 +100,7 @@ def run_rescuer(now: datetime | None = None) -> RescueReport:
 
     due = (
         Execution.objects.select_related("job")
-        .filter(state__in=(State.PENDING, State.RETRYING), due_at__lte=UtcNow())
+        .filter(state__in=(State.PENDING, State.RETRYING, State.WAITING), due_at__lte=UtcNow())
         .order_by("due_at")[:batch]
     )
     for execution in due:

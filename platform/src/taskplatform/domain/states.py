@@ -21,6 +21,7 @@ class State(models.TextChoices):
     PENDING = "PENDING", "pending"  # recorded; a message is (or will be) on the broker
     RUNNING = "RUNNING", "running"  # claimed by a worker that holds a lease
     RETRYING = "RETRYING", "retrying"  # an attempt failed; the next one is due at ``due_at``
+    WAITING = "WAITING", "waiting for a limit"  # a fleet-wide limit was full; published when a slot frees
     SUCCEEDED = "SUCCEEDED", "succeeded"  # terminal: the body completed and was recorded
     FAILED = "FAILED", "failed (dead letter)"  # terminal until an operator retries it
     CANCELLED = "CANCELLED", "cancelled"  # terminal until an operator requeues it
@@ -30,13 +31,17 @@ STATE_DOCS: dict[str, str] = {
     State.PENDING: "Recorded in the ledger; a message is on the broker or will be published by the rescuer.",
     State.RUNNING: "Claimed by one worker holding a lease; the fencing token identifies the attempt.",
     State.RETRYING: "The last attempt failed with a retryable error; the next attempt is due at `due_at`.",
+    State.WAITING: (
+        "A fleet-wide concurrency or rate limit was full when a worker claimed it: the claim was given back"
+        " (no attempt counted) and it is published again when a slot frees, or at `due_at`."
+    ),
     State.SUCCEEDED: "The body completed and its result is stored. No further run happens for this key.",
     State.FAILED: "Dead letter: a fatal error, or the last allowed attempt failed. Traceback kept.",
     State.CANCELLED: "Cancelled before it could finish; a late worker's write-back is refused.",
 }
 
 TERMINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
-CLAIMABLE_STATES = frozenset({State.PENDING, State.RETRYING})
+CLAIMABLE_STATES = frozenset({State.PENDING, State.RETRYING, State.WAITING})
 
 
 class Actor(enum.StrEnum):
@@ -67,6 +72,7 @@ W, R, OP = Actor.WORKER, Actor.RESCUER, Actor.OPERATOR
 TRANSITIONS: tuple[Transition, ...] = (
     _t(State.PENDING, State.RUNNING, "claim", {W}, "A worker claims the execution (compare-and-set)."),
     _t(State.RETRYING, State.RUNNING, "claim", {W}, "A worker claims the next attempt."),
+    _t(State.WAITING, State.RUNNING, "claim", {W}, "A worker claims it once a slot of its limit is free."),
     _t(
         State.RUNNING,
         State.RUNNING,
@@ -77,9 +83,17 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t(State.RUNNING, State.SUCCEEDED, "succeed", {W}, "The body returned; the result is stored."),
     _t(State.RUNNING, State.RETRYING, "retry", {W}, "A retryable error; the next attempt is scheduled."),
     _t(State.RUNNING, State.RETRYING, "rescue", {R}, "The lease expired; the execution is re-queued."),
+    _t(
+        State.RUNNING,
+        State.WAITING,
+        "wait_for_limit",
+        {W},
+        "A fleet-wide limit is full: the claim is given back, uncounted, and the execution waits for a slot.",
+    ),
     _t(State.RUNNING, State.FAILED, "dead_letter", {W, R}, "Fatal error, or attempts exhausted."),
     _t(State.PENDING, State.FAILED, "dead_letter", {W}, "Attempts already exhausted when claimed."),
     _t(State.RETRYING, State.FAILED, "dead_letter", {W}, "Attempts already exhausted when claimed."),
+    _t(State.WAITING, State.FAILED, "dead_letter", {W}, "Attempts already exhausted when claimed."),
     _t(State.RUNNING, State.FAILED, "mark_failed", {OP}, "An operator declares a running attempt failed."),
     _t(State.FAILED, State.SUCCEEDED, "mark_succeeded", {OP}, "An operator records work done by hand."),
     _t(State.FAILED, State.PENDING, "retry_now", {OP}, "An operator requeues a dead letter."),
@@ -87,6 +101,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t(State.RETRYING, State.PENDING, "retry_now", {OP}, "An operator runs a waiting retry now."),
     _t(State.PENDING, State.CANCELLED, "cancel", {OP}, "Cancelled before any worker claimed it."),
     _t(State.RETRYING, State.CANCELLED, "cancel", {OP}, "Cancelled while waiting for a retry."),
+    _t(State.WAITING, State.CANCELLED, "cancel", {OP}, "Cancelled while waiting for a slot of its limit."),
     _t(State.RUNNING, State.CANCELLED, "cancel", {OP}, "Cancelled while running; the late write-back is refused."),
 )
 

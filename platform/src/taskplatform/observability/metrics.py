@@ -108,7 +108,7 @@ class LedgerCollector:
         yield leases
         yield GaugeMetricFamily(
             "taskplatform_overdue_unclaimed",
-            "PENDING/RETRYING executions past due_at.",
+            "PENDING/RETRYING/WAITING executions past due_at.",
             value=Execution.objects.overdue(now).count(),
         )
 

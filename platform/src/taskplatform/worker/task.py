@@ -49,12 +49,14 @@ if TYPE_CHECKING:
     from ..core import leases, ledger, submission
     from ..core import types as core_types
     from ..models import Execution, JobDefinition
+    from . import limits
 else:
     # Loaded at first use: this module (``taskplatform.tasks``) must import before
     # ``django.setup()``, and these define or import Django models (``worker/lazy.py``).
     models = lazy_module("taskplatform.models")
     leases = lazy_module("taskplatform.core.leases")
     ledger = lazy_module("taskplatform.core.ledger")
+    limits = lazy_module("taskplatform.worker.limits")
     submission = lazy_module("taskplatform.core.submission")
     core_types = lazy_module("taskplatform.core.types")
 
@@ -459,6 +461,13 @@ class IdempotentTask(Task):
             return execution.result if claim.outcome == "finished" else None
 
         token = claim.token
+        held: limits.Held | None = None
+        applicable = limits.rules_for(execution)
+        if applicable:  # a fleet-wide limit: a slot of each, or the execution waits
+            taken = limits.acquire(applicable, execution, lease_seconds=claim.lease_seconds, worker=worker)
+            if isinstance(taken, limits.Refusal):
+                return self._wait_for_limit(request, execution, token, taken, worker)
+            held = taken
         request.tp_execution = execution
         request.retries = execution.attempts - 1
         watch = leases.lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker)
@@ -486,7 +495,7 @@ class IdempotentTask(Task):
                 result = body(*args, **kwargs)
                 returned = True
                 if _defer_success(self, request):
-                    deferred = self._hand_over_success(execution, token, result, worker, started, watch)
+                    deferred = self._hand_over_success(execution, token, result, worker, started, watch, held)
                     if deferred:
                         return result
                 self._record_finished(execution, token, result, worker, started, watch)
@@ -534,7 +543,24 @@ class IdempotentTask(Task):
         finally:
             if not deferred:
                 leases.lease_keeper().unwatch(watch)
+                limits.release(held, worker=worker)
         raise AssertionError("unreachable")  # pragma: no cover - _record_failure always raises
+
+    def _wait_for_limit(
+        self, request: Any, execution: Execution, token: int, refusal: limits.Refusal, worker: str
+    ) -> None:
+        """The claim found a fleet-wide limit full: give it back; the execution waits in the
+        ledger and is published again when a slot frees (``worker/limits.py``)."""
+        if _retry_db(lambda: limits.wait(execution, token, refusal, worker=worker)):
+            request.tp_outcome = f"waiting: {refusal.reason}"
+            log.info(
+                "limit reached; the execution waits for a slot: %s",
+                refusal.reason,
+                extra={"execution_id": execution.pk, "wait_seconds": round(refusal.delay_seconds, 2)},
+            )
+        else:
+            ledger.record_stale_write(execution.pk, token, worker=worker, what="wait_for_limit")
+            request.tp_outcome = "stale: another attempt owns the execution"
 
     def on_replace(self, sig: Any) -> Any:
         """``self.replace(sig)``: the replacement goes through the ledger when it can.
@@ -601,7 +627,14 @@ class IdempotentTask(Task):
         _record_while_leased(write, watch)
 
     def _hand_over_success(
-        self, execution: Execution, token: int, result: Any, worker: str, started: float, watch: leases.Watch
+        self,
+        execution: Execution,
+        token: int,
+        result: Any,
+        worker: str,
+        started: float,
+        watch: leases.Watch,
+        held: limits.Held | None = None,
     ) -> bool:
         """Give the success write of a finished non-atomic body to the recorder thread
         (``worker/recorder.py``): what the pool process would do, with the lease renewed until
@@ -629,6 +662,7 @@ class IdempotentTask(Task):
                     connection.close()
                 finally:
                     leases.lease_keeper().unwatch(watch)
+                    limits.release(held, worker=worker)
 
         try:
             success_recorder().record(write, watch)

@@ -1,0 +1,416 @@
+"""Fleet-wide limits: at most N bodies at once, at most N starts per window, across workers.
+
+A ``Limit`` (one per task or per job, edited in the admin) is a set of slots on a lock
+backend, each slot an ordinary lease (``LockBackend.acquire_any``):
+
+* **concurrency** — ``concurrency`` slots named ``limit:<id>:running:<i>``. A worker takes
+  one after its claim and before the body, renews it with the attempt's lease and releases it
+  when the attempt's outcome is recorded; a holder that dies frees it when the lease runs
+  out. Releasing wakes the longest-waiting execution of the limit (``ledger.wake_waiter``).
+* **rate** — ``rate`` slots named ``limit:<id>:started:<i>``, each taken at a start with a
+  TTL of ``per_seconds`` and never released: a slot taken at ``t`` is busy until
+  ``t + per_seconds`` by the backend's clock (plus ``RATE_MARGIN_SECONDS``), so no window of
+  ``per_seconds`` holds more than ``rate`` starts.
+
+An attempt that finds a slot missing gives its claim back (``ledger.wait_for_limit``: the row
+waits as ``WAITING``, its attempt uncounted) with a due time: for concurrency a backstop of
+about the lease (a dead holder's slot frees by then; a live one wakes a waiter at once), for
+a rate limit a random instant within the time the waiting rows take to drain at the rate, so
+retries spread out instead of polling together. A lock backend that cannot be reached counts
+as full: a limit protects a downstream, so it fails closed.
+
+Rules are read from the database at most every ``TASKPLATFORM_LIMITS_REFRESH_SECONDS`` per
+process; a task with no limit pays one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..backends import get_lock_backend
+from ..backends.base import Lease, LockBackend
+from ..conf import platform_settings
+from ..core import ledger
+from ..exceptions import LockError
+from ..models import Execution, Limit
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+log = logging.getLogger("taskplatform.limits")
+
+#: A start slot is held this much longer than the rate's window: the body starts a few
+#: milliseconds after its slot is granted, and not always equally late, so two starts a
+#: window apart by the backend's clock can be a little less apart as the bodies see them.
+RATE_MARGIN_SECONDS = 0.05
+
+#: Delay before a wait is tried again when the lock backend could not be reached, in seconds.
+BACKEND_DOWN_WAIT_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One ``Limit`` row as the worker applies it."""
+
+    id: int
+    scope: str
+    task_name: str
+    job_id: int | None
+    concurrency: int | None
+    rate: int | None
+    per_seconds: int
+    backend: str
+
+    def running_slots(self) -> list[str]:
+        return slot_names(self.id, "running", self.concurrency or 0)
+
+    def started_slots(self) -> list[str]:
+        return slot_names(self.id, "started", self.rate or 0)
+
+
+def slot_names(limit_id: int, kind: str, count: int) -> list[str]:
+    """The lock names of a limit's slots, in a random order (contenders spread over them)."""
+    names = [f"limit:{limit_id}:{kind}:{i}" for i in range(count)]
+    random.shuffle(names)
+    return names
+
+
+@dataclass
+class Refusal:
+    """Why an attempt may not start now, and how long it should wait."""
+
+    rule: Rule
+    kind: str  # "concurrency" or "rate"; "unavailable" when the backend could not be asked
+    delay_seconds: float
+    reason: str
+
+
+@dataclass(eq=False)
+class Held:
+    """The running slots one attempt holds (released when its outcome is recorded)."""
+
+    leases: list[tuple[Rule, LockBackend, Lease]] = field(default_factory=list)
+    released: bool = False
+
+
+class _Rules:
+    """The limits table, re-read at most every ``limits_refresh_seconds`` in this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next_load = 0.0
+        self._by_task: dict[str, Rule] = {}
+        self._by_job: dict[int, Rule] = {}
+
+    def for_execution(self, execution: Execution) -> list[Rule]:
+        if time.monotonic() >= self._next_load:
+            self._load()
+        rules = []
+        if (rule := self._by_task.get(execution.task_name)) is not None:
+            rules.append(rule)
+        if execution.job_id is not None and (rule := self._by_job.get(execution.job_id)) is not None:
+            rules.append(rule)
+        return rules
+
+    def _load(self) -> None:
+        with self._lock:
+            if time.monotonic() < self._next_load:
+                return
+            try:
+                rows = list(
+                    Limit.objects.values_list(
+                        "id", "scope", "task_name", "job_id", "concurrency", "rate", "per_seconds", "backend"
+                    )
+                )
+            except Exception:
+                # The rules in hand stay in force; the claim that brought us here will
+                # report the database error itself if it is down.
+                log.warning("the fleet-wide limits could not be read; keeping the last ones", exc_info=True)
+                self._next_load = time.monotonic() + 1.0
+                return
+            rules = [Rule(*row) for row in rows]
+            self._by_task = {r.task_name: r for r in rules if r.task_name}
+            self._by_job = {r.job_id: r for r in rules if r.job_id is not None}
+            self._next_load = time.monotonic() + platform_settings().limits_refresh_seconds
+
+    def reset(self) -> None:
+        """Forget the rules read (tests; a ``Limit`` saved in this process)."""
+        self._next_load = 0.0
+
+
+rules = _Rules()
+
+
+def rules_for(execution: Execution) -> list[Rule]:
+    """The limits that bound ``execution``: its task's, then its job's."""
+    return rules.for_execution(execution)
+
+
+def acquire(applicable: Sequence[Rule], execution: Execution, *, lease_seconds: int, worker: str) -> Held | Refusal:
+    """Take a slot of every limit in ``applicable`` for the attempt now claimed on
+    ``execution``: the running slots it keeps (``Held``), or the first refusal, having given
+    back whatever it had taken."""
+    held = Held()
+    started: list[tuple[LockBackend, Lease]] = []
+    identity = f"execution:{execution.pk}@{worker}"
+    refusal: Refusal | None = None
+    for rule in applicable:
+        try:
+            backend = get_lock_backend(rule.backend)
+            if rule.concurrency:
+                lease = backend.acquire_any(rule.running_slots(), lease_seconds, identity)
+                if lease is None:
+                    refusal = _full(rule, "concurrency", execution, lease_seconds)
+                    break
+                held.leases.append((rule, backend, lease))
+            if rule.rate:
+                lease = backend.acquire_any(rule.started_slots(), rule.per_seconds + RATE_MARGIN_SECONDS, identity)
+                if lease is None:
+                    refusal = _full(rule, "rate", execution, lease_seconds)
+                    break
+                started.append((backend, lease))
+        except LockError:
+            log.error(
+                "the lock backend of a fleet-wide limit is unreachable; the execution waits",
+                exc_info=True,
+                extra={"execution_id": execution.pk, "limit": rule.scope},
+            )
+            refusal = Refusal(
+                rule, "unavailable", BACKEND_DOWN_WAIT_SECONDS, f"limit {rule.scope}: lock backend unreachable"
+            )
+            break
+    if refusal is None:
+        if held.leases:
+            slot_keeper().hold(held)
+        return held
+    # Nothing starts: what was taken goes back (a start slot too, for no start happened).
+    for backend, lease in started:
+        _release_quietly(backend, lease)
+    for _rule, backend, lease in held.leases:
+        _release_quietly(backend, lease)
+    return refusal
+
+
+def _full(rule: Rule, kind: str, execution: Execution, lease_seconds: int) -> Refusal:
+    if kind == "concurrency":
+        # Woken by the next holder to finish; the delay only covers holders that die (their
+        # slot frees when their lease runs out) and wakes that were lost.
+        delay = lease_seconds * random.uniform(1.0, 1.5)
+        return Refusal(rule, kind, delay, f"concurrency limit of {rule.scope} reached: {rule.concurrency} running")
+    waiting = waiting_count(rule)
+    drain = rule.per_seconds * max(1.0, (waiting + 1) / max(1, rule.rate or 1))
+    delay = random.uniform(0.05, 1.0) * drain
+    return Refusal(
+        rule, kind, delay, f"rate limit of {rule.scope} reached: {rule.rate} starts per {rule.per_seconds} s"
+    )
+
+
+def waiting_count(rule: Rule) -> int:
+    """How many executions wait on ``rule`` now (for spreading a rate limit's waits)."""
+    rows = Execution.objects.filter(state="WAITING")
+    rows = rows.filter(job_id=rule.job_id) if rule.job_id is not None else rows.filter(task_name=rule.task_name)
+    return rows.count()
+
+
+def wait(execution: Execution, token: int, refusal: Refusal, *, worker: str) -> bool:
+    """Record the refusal in the ledger: the execution waits (``ledger.wait_for_limit``)."""
+    return ledger.wait_for_limit(
+        execution,
+        token,
+        delay_seconds=refusal.delay_seconds,
+        worker=worker,
+        reason=refusal.reason,
+        data={"limit": refusal.rule.scope, "limit_id": refusal.rule.id, "kind": refusal.kind},
+    )
+
+
+def release(held: Held | None, *, worker: str) -> None:
+    """Free the running slots of a finished attempt and wake one waiter per limit freed.
+    Never raises: the attempt's outcome is recorded already, and a slot not released here
+    frees when its lease runs out."""
+    if held is None or held.released or not held.leases:
+        return
+    held.released = True
+    slot_keeper().drop(held)
+    for rule, backend, lease in held.leases:
+        _release_quietly(backend, lease)
+        try:
+            ledger.wake_waiter(
+                task_name=rule.task_name or None,
+                job_id=rule.job_id,
+                actor=worker,
+                reason=f"a slot of {rule.scope} freed",
+            )
+        except Exception:
+            log.warning(
+                "could not wake a waiting execution; it is published at its due time",
+                exc_info=True,
+                extra={"limit": rule.scope},
+            )
+
+
+def _release_quietly(backend: LockBackend, lease: Lease) -> None:
+    try:
+        backend.release(lease)
+    except Exception:
+        log.warning("could not release a limit's slot; it frees when its lease runs out", exc_info=True)
+
+
+class SlotKeeper:
+    """Renews the running slots held in this process, each every third of its TTL, on one
+    daemon thread (like the executions' lease keeper, whose leases have the same length)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held: dict[Held, float] = {}  # next renewal, monotonic
+        self._thread: threading.Thread | None = None
+
+    def hold(self, held: Held) -> None:
+        ttl = min(lease.ttl_seconds for _r, _b, lease in held.leases)
+        with self._cond:
+            self._held[held] = time.monotonic() + max(0.5, ttl / 3)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="taskplatform-limit-slots", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def drop(self, held: Held) -> None:
+        with self._cond:
+            self._held.pop(held, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [h for h, at in self._held.items() if at <= now]
+                if not due:
+                    wake = min(self._held.values(), default=now + 60)
+                    self._cond.wait(timeout=max(0.05, wake - now))
+                    continue
+            for held in due:
+                self._renew(held)
+
+    def _renew(self, held: Held) -> None:
+        renewed: list[tuple[Rule, LockBackend, Lease]] = []
+        for rule, backend, lease in held.leases:
+            try:
+                new = backend.renew(lease)
+            except Exception:
+                log.warning("renewing a limit's slot failed; retrying", exc_info=True, extra={"limit": rule.scope})
+                new = lease if lease.remaining() > 0 else None
+            if new is None:
+                if held.released:
+                    return
+                log.warning(
+                    "a limit's slot was lost (its lease ran out): the limit may be exceeded until this body ends",
+                    extra={"limit": rule.scope, "slot": lease.name},
+                )
+                continue
+            renewed.append((rule, backend, new))
+        with self._cond:
+            if held not in self._held or held.released:
+                return
+            held.leases = renewed
+            if renewed:
+                ttl = min(lease.ttl_seconds for _r, _b, lease in renewed)
+                self._held[held] = time.monotonic() + max(0.5, ttl / 3)
+            else:
+                self._held.pop(held, None)
+
+
+_keeper: SlotKeeper | None = None
+_keeper_pid = 0
+
+
+def slot_keeper() -> SlotKeeper:
+    """The process's slot keeper (a forked pool child starts its own)."""
+    import os
+
+    global _keeper, _keeper_pid
+    if _keeper is None or _keeper_pid != os.getpid():
+        _keeper, _keeper_pid = SlotKeeper(), os.getpid()
+    return _keeper
+
+
+def holders(limit: Limit, infos: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    """Who holds the slots of ``limit`` now (the locks page): one row per held slot.
+    ``infos``: the backend's ``locks()`` if the caller has read them already."""
+    if infos is None:
+        infos = get_lock_backend(limit.backend).locks()
+    prefix = f"limit:{limit.pk}:"
+    return [
+        {"slot": info.name, "kind": info.name.split(":")[2], "owner": info.owner, "expires_at": info.expires_at,
+         "ttl_remaining_seconds": info.ttl_remaining_seconds}
+        for info in sorted(infos, key=lambda i: i.name)
+        if info.name.startswith(prefix) and info.owner
+    ]  # fmt: skip
+
+
+# --- editing (the console) -----------------------------------------------------------------------
+
+
+def limit_errors(limit: Limit) -> dict[str, str]:
+    """What is wrong with ``limit`` beyond the model's own checks: an unknown or non-idempotent
+    task, a job's task, an unconfigured lock backend alias."""
+    from ..backends import backend_config
+    from ..core.validation import resolve_task
+    from ..exceptions import ConfigurationError, TaskPlatformError
+
+    errors: dict[str, str] = {}
+    if limit.task_name:
+        try:
+            resolve_task(limit.task_name)
+        except TaskPlatformError as exc:
+            errors["task_name"] = str(exc)
+    try:
+        backend_config(limit.backend)
+    except ConfigurationError as exc:
+        errors["backend"] = str(exc)
+    return errors
+
+
+def validate(limit: Limit) -> None:
+    """Raise ``ValidationError`` naming every bad field of ``limit``."""
+    from django.core.exceptions import ValidationError
+
+    errors: dict[str, Any] = {}
+    try:
+        limit.full_clean(validate_unique=False)
+    except ValidationError as exc:
+        errors.update(exc.message_dict)
+    for name, message in limit_errors(limit).items():
+        errors.setdefault(name, [message])
+    if errors:
+        raise ValidationError(errors)
+
+
+def save_limit(limit: Limit, *, user: str, reason: str = "") -> None:
+    """Save ``limit`` (validated) and audit it; workers apply it within
+    ``limits_refresh_seconds``."""
+    from django.db import transaction
+
+    from ..core.audit import audit
+
+    validate(limit)
+    created = limit.pk is None
+    with transaction.atomic():
+        limit.save()
+        audit(user, "add_limit" if created else "change_limit", f"limit:{limit.scope}", reason, limit=str(limit))
+    rules.reset()
+
+
+def delete_limit(limit: Limit, *, user: str, reason: str = "") -> None:
+    """Delete ``limit`` and audit it; its slots are left to expire (a running body keeps its own)."""
+    from django.db import transaction
+
+    from ..core.audit import audit
+
+    with transaction.atomic():
+        audit(user, "delete_limit", f"limit:{limit.scope}", reason, limit=str(limit))
+        limit.delete()
+    rules.reset()

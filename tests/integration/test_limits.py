@@ -1,0 +1,162 @@
+"""Fleet-wide limits with real workers: at most N bodies at once, at most N starts a second.
+
+Two ``celery worker`` processes at concurrency 4 share one limit. What ran when is measured
+from ``Span`` (the body's own start and end times, no unique constraint), so an overlap of
+three bodies, or a key run twice, shows. A worker is SIGKILLed mid-run: its slot must free
+within the lease, and the bodies it was running are rescued and run again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+from django.db.models import Count
+
+from taskplatform import submit_many
+from taskplatform.models import Execution, ExecutionEvent, Limit
+from taskplatform.worker import limits
+from tests.testapp.models import Effect, Span
+
+pytestmark = [pytest.mark.worker]
+
+#: The test workers' lease (config/settings/test.py): a dead holder's slot frees by then.
+LEASE_SECONDS = 6
+#: Workers run the rescuer (the killed worker's attempts come back) every 2 s.
+MAINTENANCE = {"TASKPLATFORM_WORKER_MAINTENANCE": "1", "TASKPLATFORM_RESCUE_INTERVAL_SECONDS": "2"}
+
+
+def max_overlap(spans: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant (an end at ``t`` comes before a start at ``t``)."""
+    edges = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda x: (x[0], x[1]))
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def most_starts_in_a_window(starts: list[float], window: float) -> int:
+    starts = sorted(starts)
+    best, j = 0, 0
+    for i, t in enumerate(starts):
+        while starts[j] <= t - window:
+            j += 1
+        best = max(best, i - j + 1)
+    return best
+
+
+def submit_limited(task: str, n: int, prefix: str, **kwargs: Any) -> list[Execution]:
+    items = [{"kwargs": kwargs, "idempotency_key": f"{prefix}-{i}"} for i in range(n)]
+    return list(submit_many(task, items, on_commit=False))
+
+
+def all_succeeded(prefix: str, n: int) -> bool:
+    return Execution.objects.filter(idempotency_key__startswith=prefix, state="SUCCEEDED").count() == n
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("lock_url", ["db://", "redis://127.0.0.1:6379/11"])
+def test_a_concurrency_limit_of_two_holds_across_two_workers_and_a_sigkill(workers, poll, settings, lock_url):
+    settings.TASKPLATFORM_LOCK_URL = lock_url
+    Limit.objects.create(task_name="testapp.limited", concurrency=2, note="test")
+    env = {**MAINTENANCE, "TASKPLATFORM_LOCK_URL": lock_url}
+    doomed = workers.start(concurrency=4, env=env)
+    survivor = workers.start(concurrency=4, env=env)
+    n = 200
+    submit_limited("testapp.limited", n, "conc", seconds=0.05)
+
+    # Kill the first worker while one of its pool processes runs a body (so holds a slot).
+    def doomed_running() -> bool:
+        pids = {c.pid for c in doomed.pool_children()}
+        return Span.objects.filter(ended__isnull=True, pid__in=pids).exists() and Span.objects.count() >= 40
+
+    poll(doomed_running, timeout=90, what="a body running on the first worker, 40 in")
+    os.killpg(doomed.pid, signal.SIGKILL)
+    killed_at = time.time()
+    poll(lambda: all_succeeded("conc", n), timeout=240, interval=0.5, what="every limited execution succeeded")
+
+    rows = list(Span.objects.values_list("key", "started", "ended"))
+    # A killed body's span ends when its process died (at the latest: the kill).
+    spans = [(s, e if e is not None else killed_at) for _, s, e in rows]
+    assert max_overlap(spans) == 2, "never more than 2 bodies at once, and the limit was reached"
+    killed = [s for _, s, e in rows if e is None]
+    assert killed, "the kill interrupted a body"
+    assert len({k for k, _, e in rows if e is not None}) == n, "every key ran to the end"
+    # The slot the dead worker held frees within its lease: two bodies run at once again soon.
+    after = sorted((s, e) for s, e in spans if s > killed_at)
+    two_again = next(
+        (s for s, _ in after if sum(1 for s2, e2 in spans if s2 <= s < e2) >= 2), None
+    )  # the first start after the kill with another body running
+    assert two_again is not None and two_again - killed_at < LEASE_SECONDS + 4, (
+        f"two at once again {None if two_again is None else round(two_again - killed_at, 1)} s after the kill"
+    )
+    assert ExecutionEvent.objects.filter(kind="waiting_for_limit").exists()
+    assert ExecutionEvent.objects.filter(kind="woken").exists(), "a freed slot woke a waiter"
+    # No attempt was counted for a wait: a row made one attempt per run, plus one for an
+    # attempt the kill cut short before its body started (the rescuer says so).
+    runs = dict(Span.objects.values_list("key").annotate(n=Count("id")))
+    rescued = set(ExecutionEvent.objects.filter(kind="rescued").values_list("execution__idempotency_key", flat=True))
+    for key, attempts in Execution.objects.filter(idempotency_key__startswith="conc").values_list(
+        "idempotency_key", "attempts"
+    ):
+        assert runs[key] <= attempts <= runs[key] + (key in rescued), (key, attempts, runs[key])
+    assert survivor.alive()
+
+
+def test_a_rate_limit_of_20_a_second_starts_at_most_21_in_any_second(workers, poll):
+    Limit.objects.create(task_name="testapp.limited", rate=20, per_seconds=1)
+    workers.start(concurrency=4)
+    workers.start(concurrency=4)
+    n = 200
+    submit_limited("testapp.limited", n, "rate")
+    poll(lambda: all_succeeded("rate", n), timeout=180, interval=0.5, what="every rate-limited execution succeeded")
+    starts = list(Span.objects.values_list("started", flat=True))
+    assert len(starts) == n, "each key started once"
+    assert most_starts_in_a_window(starts, 1.0) <= 21, "the limit, with a tolerance of 1 at the boundaries"
+    duration = max(starts) - min(starts)
+    assert duration >= (n / 20) - 1.5, f"200 starts at 20 a second take about 10 s, not {duration:.1f}"
+
+
+def test_an_atomic_body_under_a_job_limit_commits_once_per_execution(workers, poll):
+    """A job's own limit (not its task's), an atomic body: each effect commits exactly once,
+    waits included, and the waits show in the history."""
+    from taskplatform.jobs import define_job
+
+    job, _ = define_job("limited-atomic", task="testapp.limited_atomic")
+    Limit.objects.create(job=job, concurrency=1)
+    workers.start(concurrency=4)
+    n = 30
+    submit_many(
+        job, [{"kwargs": {"seconds": 0.05}, "idempotency_key": f"atomic-{i}"} for i in range(n)], on_commit=False
+    )
+    poll(lambda: all_succeeded("atomic", n), timeout=120, interval=0.5, what="every atomic execution succeeded")
+    effects = dict(Effect.objects.values_list("key").annotate(n=Count("id")))
+    assert effects == {f"atomic-{i}": 1 for i in range(n)}
+    assert ExecutionEvent.objects.filter(kind="waiting_for_limit", execution__job=job).exists()
+
+
+def test_holders_are_listed_while_bodies_run(workers, poll, admin_client):
+    """The locks page shows the limit and who holds its slots now."""
+    limit = Limit.objects.create(task_name="testapp.limited", concurrency=2)
+    workers.start(concurrency=2)
+    submit_limited("testapp.limited", 2, "held", seconds=30)
+    poll(lambda: len(limits.holders(limit)) == 2, timeout=60, what="both slots held")
+    page = admin_client.get("/admin/taskplatform/locklease/").content.decode()
+    assert "task:testapp.limited" in page and page.count("execution:") >= 2
+
+
+def test_a_body_longer_than_its_lease_keeps_its_slot(workers, poll):
+    """The slot is renewed with the attempt's lease: a 2 s lease, 5 s bodies, a limit of one,
+    two workers. Without the renewal the second body would start 2 s into the first."""
+    Limit.objects.create(task_name="testapp.limited", concurrency=1)
+    env = {"TASKPLATFORM_LEASE_SECONDS": "2"}
+    workers.start(concurrency=2, env=env)
+    workers.start(concurrency=2, env=env)
+    submit_limited("testapp.limited", 2, "long", seconds=5)
+    poll(lambda: all_succeeded("long", 2), timeout=120, interval=0.5, what="both long bodies succeeded")
+    spans = list(Span.objects.values_list("started", "ended"))
+    assert len(spans) == 2 and max_overlap(spans) == 1, spans

@@ -1,0 +1,271 @@
+"""The ledger's side of fleet-wide limits: waiting, waking, superseded messages, bad limits.
+
+Marked ``portable``: the same on PostgreSQL, SQLite and MariaDB. The real-worker behaviour
+(never more than N at once, a crashed holder's slot freed) is in
+``tests/integration/test_limits.py``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.utils import timezone
+
+from taskplatform.core import ledger
+from taskplatform.core.rescuer import run_rescuer
+from taskplatform.domain.states import Actor, State, find_transition
+from taskplatform.jobs import define_job
+from taskplatform.models import Execution, ExecutionEvent, Limit
+from taskplatform.worker import limits
+
+pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
+
+
+def new(key: str, task: str = "testapp.limited", job=None) -> Execution:
+    execution, _ = ledger.create(
+        ledger.NewExecution(idempotency_key=key, task_name=task, args=[], kwargs={}, job=job, celery_task_id="m-0")
+    )
+    return execution
+
+
+def claim(execution: Execution, message: str = "m-0") -> ledger.Claim:
+    return ledger.claim(execution, worker="node:1", celery_task_id=message, lease_seconds=30, max_attempts=3)
+
+
+def wait(c: ledger.Claim, delay: float = 5.0) -> Execution:
+    assert ledger.wait_for_limit(
+        c.execution, c.token, delay_seconds=delay, worker="node:1", reason="full", data={"limit": "task:x"}
+    )
+    return Execution.objects.get(pk=c.execution.pk)
+
+
+def kinds(execution: Execution) -> list[str]:
+    return list(ExecutionEvent.objects.filter(execution=execution).order_by("id").values_list("kind", flat=True))
+
+
+def test_a_wait_gives_the_claim_back_uncounted_and_publishes_a_countdown_message():
+    execution = new("w1")
+    c = claim(execution)
+    assert c.outcome == "claimed" and c.execution.attempts == 1
+    row = wait(c)
+    assert row.state == State.WAITING and row.attempts == 0 and row.fencing_token == 1
+    assert row.lease_expires_at is None and row.due_at > timezone.now()
+    assert row.publish_count == 1 and row.celery_task_id not in ("", "m-0")
+    assert kinds(row) == ["claimed", "waiting_for_limit"]
+    again = claim(row, row.celery_task_id)
+    assert again.outcome == "claimed" and again.execution.attempts == 1 and again.token == 2
+
+
+def test_a_wait_from_a_stale_attempt_changes_nothing():
+    c = claim(new("w2"))
+    assert not ledger.wait_for_limit(c.execution, c.token - 1, delay_seconds=1, worker="x", reason="", data={})
+    assert Execution.objects.get(pk=c.execution.pk).state == State.RUNNING
+
+
+def test_a_long_wait_is_parked_in_the_ledger_and_published_by_the_rescuer_when_due():
+    row = wait(claim(new("w3")), delay=3600)
+    assert row.publish_count == 0 and row.celery_task_id == ""
+    assert run_rescuer().published == 0
+    Execution.objects.filter(pk=row.pk).update(due_at=timezone.now() - timedelta(seconds=1))
+    assert run_rescuer().published == 1
+    row.refresh_from_db()
+    assert row.state == State.WAITING and row.celery_task_id != ""
+    assert claim(row, row.celery_task_id).outcome == "claimed"
+
+
+def test_only_the_current_message_claims_a_waiting_row():
+    """A wake replaced the row's countdown message: the old one, arriving later, is absorbed,
+    so a row that waits many times keeps one message in flight."""
+    row = wait(claim(new("w4")))
+    old = row.celery_task_id
+    assert ledger.wake_waiter(task_name="testapp.limited", actor="node:2", reason="a slot freed")
+    row.refresh_from_db()
+    assert row.celery_task_id != old and row.publish_count == 2
+    stale = claim(row, old)
+    assert stale.outcome == "superseded"
+    assert Execution.objects.get(pk=row.pk).state == State.WAITING
+    assert claim(row, row.celery_task_id).outcome == "claimed"
+    assert kinds(row) == ["claimed", "waiting_for_limit", "woken", "superseded_delivery", "claimed"]
+
+
+def test_a_wake_takes_the_longest_waiting_row_of_the_scope_only():
+    job, _ = define_job("limited-job", task="testapp.limited")
+    first, second = wait(claim(new("w5"))), wait(claim(new("w6")))
+    of_job = wait(claim(new("w7", job=job)))
+    before = {e.pk: e.publish_count for e in (first, second, of_job)}
+    assert ledger.wake_waiter(job_id=job.pk, actor="n", reason="")
+    assert Execution.objects.get(pk=of_job.pk).publish_count == before[of_job.pk] + 1
+    assert ledger.wake_waiter(task_name="testapp.limited", actor="n", reason="")
+    counts = dict(Execution.objects.filter(pk__in=[first.pk, second.pk]).values_list("pk", "publish_count"))
+    assert counts == {first.pk: before[first.pk] + 1, second.pk: before[second.pk]}
+    assert not ledger.wake_waiter(task_name="testapp.nothing_waits", actor="n", reason="")
+
+
+def test_an_operator_can_cancel_a_waiting_execution():
+    row = wait(claim(new("w8")))
+    assert find_transition(State.WAITING, State.CANCELLED, Actor.OPERATOR).name == "cancel"
+    ledger.operator_transition(row.pk, State.CANCELLED, user="ops", reason="downstream retired")
+    row.refresh_from_db()
+    assert row.state == State.CANCELLED
+    assert claim(row, row.celery_task_id).outcome == "finished"
+
+
+def test_a_waiting_row_counts_as_overdue_once_past_its_due_time():
+    row = wait(claim(new("w9")))
+    assert not Execution.objects.stuck().filter(pk=row.pk).exists()
+    Execution.objects.filter(pk=row.pk).update(due_at=timezone.now() - timedelta(seconds=1))
+    assert Execution.objects.stuck().filter(pk=row.pk).exists()
+
+
+# --- the worker's slots, on the locmem twin ------------------------------------------------------
+
+
+@pytest.fixture
+def locmem(settings):
+    settings.TASKPLATFORM_LOCK_BACKENDS = {"default": {"BACKEND": "taskplatform.backends.locmem.LocMemLockBackend"}}
+    limits.rules.reset()
+    yield
+    limits.rules.reset()
+
+
+def test_slots_run_out_at_the_limit_and_a_release_wakes_a_waiter(locmem):
+    Limit.objects.create(task_name="testapp.limited", concurrency=2)
+    limits.rules.reset()
+    running = [claim(new(f"s{i}")) for i in range(3)]
+    rules = limits.rules_for(running[0].execution)
+    assert [r.concurrency for r in rules] == [2]
+    held = [limits.acquire(rules, c.execution, lease_seconds=30, worker="n") for c in running]
+    assert isinstance(held[0], limits.Held) and isinstance(held[1], limits.Held)
+    refusal = held[2]
+    assert isinstance(refusal, limits.Refusal) and refusal.kind == "concurrency"
+    assert 30 <= refusal.delay_seconds <= 45, "a dead holder's slot frees within its lease"
+    assert limits.wait(running[2].execution, running[2].token, refusal, worker="n")
+    limits.release(held[0], worker="n")
+    woken = Execution.objects.get(pk=running[2].execution.pk)
+    assert woken.publish_count == 2 and "woken" in kinds(woken)
+    third = claim(woken, woken.celery_task_id)
+    assert isinstance(limits.acquire(rules, third.execution, lease_seconds=30, worker="n"), limits.Held)
+
+
+def test_a_rate_limit_refuses_the_next_start_in_its_window(locmem):
+    Limit.objects.create(task_name="testapp.limited", rate=2, per_seconds=60)
+    limits.rules.reset()
+    cs = [claim(new(f"r{i}")) for i in range(3)]
+    rules = limits.rules_for(cs[0].execution)
+    first, second, third = (limits.acquire(rules, c.execution, lease_seconds=30, worker="n") for c in cs)
+    assert isinstance(first, limits.Held) and not first.leases, "a start slot is not held: it just runs out"
+    assert isinstance(second, limits.Held)
+    assert isinstance(third, limits.Refusal) and third.kind == "rate"
+    assert 0 < third.delay_seconds <= 60 * 2, "spread over the time the waiting rows take to drain"
+
+
+def test_a_start_slot_outlives_its_window_by_the_margin(locmem, monkeypatch):
+    """A body starts a little after its start slot is granted, not always equally late: the
+    slot is held its window plus ``RATE_MARGIN_SECONDS``, so starts a window apart by the
+    backend's clock stay a window apart as the bodies see them. A fake clock for the locmem
+    twin makes the instants exact."""
+    from taskplatform.backends import locmem as locmem_module
+
+    now = [1000.0]
+    monkeypatch.setattr(locmem_module.time, "monotonic", lambda: now[0])
+    Limit.objects.create(task_name="testapp.limited", rate=1, per_seconds=1)
+    limits.rules.reset()
+    a, b, c = (claim(new(f"m{i}")) for i in range(3))
+    rules = limits.rules_for(a.execution)
+    assert isinstance(limits.acquire(rules, a.execution, lease_seconds=30, worker="n"), limits.Held)
+    now[0] += 1.0  # exactly one window later: still the margin to go
+    assert isinstance(limits.acquire(rules, b.execution, lease_seconds=30, worker="n"), limits.Refusal)
+    now[0] += limits.RATE_MARGIN_SECONDS + 0.001
+    assert isinstance(limits.acquire(rules, c.execution, lease_seconds=30, worker="n"), limits.Held)
+
+
+def test_an_unreachable_lock_backend_makes_the_execution_wait(settings):
+    """A limit protects a downstream: when its slots cannot be counted, nothing starts."""
+    settings.TASKPLATFORM_LOCK_BACKENDS = {
+        "default": {"BACKEND": "taskplatform.backends.db.DatabaseLockBackend"},
+        "down": {
+            "BACKEND": "taskplatform.backends.redis.RedisLockBackend",
+            "OPTIONS": {"url": "redis://127.0.0.1:1/0", "socket_timeout": 0.2},
+        },
+    }
+    Limit.objects.create(task_name="testapp.limited", concurrency=5, backend="down")
+    limits.rules.reset()
+    c = claim(new("u1"))
+    refusal = limits.acquire(limits.rules_for(c.execution), c.execution, lease_seconds=30, worker="n")
+    assert isinstance(refusal, limits.Refusal) and refusal.kind == "unavailable"
+    limits.rules.reset()
+
+
+def test_a_refusal_gives_back_the_slots_already_taken(locmem):
+    """A task limit with room and a job limit that is full: the task slot is not kept."""
+    job, _ = define_job("limited-job-2", task="testapp.limited")
+    Limit.objects.create(task_name="testapp.limited", concurrency=1)
+    Limit.objects.create(job=job, rate=1, per_seconds=60)
+    limits.rules.reset()
+    a, b = claim(new("g1", job=job)), claim(new("g2", job=job))
+    rules = limits.rules_for(a.execution)
+    assert [r.scope for r in rules] == ["task:testapp.limited", f"job:{job.pk}"]
+    held = limits.acquire(rules, a.execution, lease_seconds=30, worker="n")
+    assert isinstance(held, limits.Held)
+    limits.release(held, worker="n")
+    refused = limits.acquire(rules, b.execution, lease_seconds=30, worker="n")
+    assert isinstance(refused, limits.Refusal) and refused.kind == "rate"
+    # The task's one concurrency slot is free again: another execution of the task takes it.
+    other = claim(new("g3"))
+    assert isinstance(limits.acquire(limits.rules_for(other.execution), other.execution, lease_seconds=30,
+                                     worker="n"), limits.Held)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        ({"concurrency": 2}, "task_name", "either a task name or a job"),
+        ({"task_name": "testapp.limited"}, "concurrency", "a concurrency limit, a rate limit, or both"),
+        ({"task_name": "testapp.limited", "concurrency": 0}, "concurrency", "between 1 and"),
+        ({"task_name": "testapp.limited", "rate": 5000}, "rate", "between 1 and"),
+        ({"task_name": "testapp.limited", "rate": 5, "per_seconds": 0}, "per_seconds", "between 1 and 86400"),
+        ({"task_name": "testapp.no_such_task", "concurrency": 2}, "task_name", "unknown task"),
+        ({"task_name": "testapp.plain", "concurrency": 2}, "task_name", "IdempotentTask"),
+        ({"task_name": "testapp.limited", "concurrency": 2, "backend": "nowhere"}, "backend", "no lock backend"),
+    ],
+)
+def test_a_bad_limit_is_refused_with_its_field_named_and_nothing_saved(fields, field, message):
+    with pytest.raises(ValidationError) as caught:
+        limits.save_limit(Limit(**fields), user="ops")
+    assert message in " ".join(caught.value.message_dict[field])
+    assert not Limit.objects.exists()
+
+
+def test_a_limit_on_both_a_task_and_a_job_is_refused():
+    job, _ = define_job("limited-job-3", task="testapp.limited")
+    with pytest.raises(ValidationError, match="either a task name or a job"):
+        limits.save_limit(Limit(task_name="testapp.limited", job=job, concurrency=1), user="ops")
+
+
+def test_saving_a_limit_is_audited():
+    from taskplatform.models import OperatorAction
+
+    limits.save_limit(Limit(task_name="testapp.limited", concurrency=3), user="ops", reason="gateway")
+    action = OperatorAction.objects.get()
+    assert (action.user, action.action, action.target) == ("ops", "add_limit", "limit:task:testapp.limited")
+
+
+def test_the_admin_form_names_the_bad_field_and_saves_a_good_limit_audited(admin_client):
+    from taskplatform.models import OperatorAction
+
+    url = "/admin/taskplatform/limit/add/"
+    base = {"task_name": "testapp.limited", "per_seconds": "1", "backend": "default", "note": ""}
+    bad = admin_client.post(url, {**base, "task_name": "testapp.nope", "concurrency": "2"})
+    assert bad.status_code == 200 and "unknown task" in bad.content.decode()
+    bad = admin_client.post(url, {**base, "backend": "nowhere", "concurrency": "2"})
+    assert bad.status_code == 200 and "no lock backend" in bad.content.decode()
+    assert not Limit.objects.exists()
+    good = admin_client.post(url, {**base, "concurrency": "2", "rate": "10"})
+    assert good.status_code == 302, good.content.decode()[:2000]
+    limit = Limit.objects.get()
+    assert (limit.scope, limit.concurrency, limit.rate) == ("task:testapp.limited", 2, 10)
+    assert OperatorAction.objects.filter(action="add_limit", target="limit:task:testapp.limited").exists()
+    page = admin_client.get("/admin/taskplatform/limit/").content.decode()
+    assert "task:testapp.limited" in page
