@@ -479,23 +479,33 @@ class IdempotentTask(Task):
         try:
             if self.atomic:
                 ignored: Ignore | None = None
-                with transaction.atomic():
-                    try:
-                        result = body(*args, **kwargs)
-                    except Ignore as exc:
-                        # Ignore (also raised by self.replace()) ends the body as a success: its
-                        # writes must commit with the success mark, not be rolled back under it.
-                        ignored, result = exc, None
-                    returned = True
-                    note = "body raised Ignore" if ignored is not None else ""
-                    self._record_success(execution, token, result, worker, started, note=note)
+                try:
+                    with transaction.atomic():
+                        try:
+                            result = body(*args, **kwargs)
+                        except Ignore as exc:
+                            # Ignore (also raised by self.replace()) ends the body as a success: its
+                            # writes must commit with the success mark, not be rolled back under it.
+                            ignored, result = exc, None
+                        returned = True
+                        note = "body raised Ignore" if ignored is not None else ""
+                        self._record_success(execution, token, result, worker, started, note=note)
+                finally:
+                    # The body ran and its transaction ended: its limits' slots free now (the
+                    # wake is published after this commit, never inside the body's transaction).
+                    limits.release(held, worker=worker)
                 if ignored is not None:
                     raise ignored
             else:
-                result = body(*args, **kwargs)
+                try:
+                    result = body(*args, **kwargs)
+                finally:
+                    # The body ended: the slots of its limits free now, not after the success is
+                    # written (which the recorder may do a little later).
+                    limits.release(held, worker=worker)
                 returned = True
                 if _defer_success(self, request):
-                    deferred = self._hand_over_success(execution, token, result, worker, started, watch, held)
+                    deferred = self._hand_over_success(execution, token, result, worker, started, watch)
                     if deferred:
                         return result
                 self._record_finished(execution, token, result, worker, started, watch)
@@ -543,7 +553,7 @@ class IdempotentTask(Task):
         finally:
             if not deferred:
                 leases.lease_keeper().unwatch(watch)
-                limits.release(held, worker=worker)
+            limits.release(held, worker=worker)  # released with the body already; here if that raised first
         raise AssertionError("unreachable")  # pragma: no cover - _record_failure always raises
 
     def _wait_for_limit(
@@ -634,7 +644,6 @@ class IdempotentTask(Task):
         worker: str,
         started: float,
         watch: leases.Watch,
-        held: limits.Held | None = None,
     ) -> bool:
         """Give the success write of a finished non-atomic body to the recorder thread
         (``worker/recorder.py``): what the pool process would do, with the lease renewed until
@@ -662,7 +671,6 @@ class IdempotentTask(Task):
                     connection.close()
                 finally:
                     leases.lease_keeper().unwatch(watch)
-                    limits.release(held, worker=worker)
 
         try:
             success_recorder().record(write, watch)
