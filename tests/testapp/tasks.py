@@ -10,6 +10,7 @@ from typing import Any
 from celery import shared_task
 from celery.exceptions import Ignore
 
+from taskplatform import Flow, Step
 from taskplatform.tasks import IdempotentTask
 
 from .models import Effect, EffectRaw, Gate, Span
@@ -400,3 +401,52 @@ def limited_atomic(self: IdempotentTask, seconds: float = 0.0) -> None:
     Effect.objects.create(key=self.idempotency_key, fencing_token=self.fencing_token or 0)
     if seconds:
         time.sleep(seconds)  # the body's own work
+
+
+# --- a flow for the tests (tests/integration/test_flows.py) ---------------------------------------
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.flow_step", atomic=True)
+def flow_step(self: IdempotentTask, step: str, order: str, fail_at: str = "", kill_at: str = "", **_: Any) -> dict:
+    """A forward step: its effect (``<order>:<step>``) commits with its success, or not at all.
+    Fails for good at ``fail_at``; at ``kill_at`` it waits for the test's gate (to be killed)."""
+    _log_start(self)
+    Effect.objects.create(key=f"{order}:{step}", fencing_token=self.fencing_token or 0)
+    if step == fail_at:
+        raise FatalError(f"step {step} fails for good")
+    if step == kill_at:
+        _wait_gate(self, f"flow-kill:{order}:{step}")
+    return {"step": step, "token": self.fencing_token}
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.flow_undo", atomic=True, max_retries=1)
+def flow_undo(self: IdempotentTask, step: str, order: str, kill_at: str = "", undo_fails: str = "", **_: Any) -> dict:
+    """A compensation: its effect (``<order>:<step>:undo``) commits with its success. At
+    ``undo_fails`` it fails for good while the gate ``undo-ok:<order>`` is closed."""
+    _log_start(self)
+    Effect.objects.create(key=f"{order}:{step}:undo", fencing_token=self.fencing_token or 0)
+    if step == undo_fails and not Gate.objects.filter(name=f"undo-ok:{order}", open=True).exists():
+        raise FatalError(f"the compensation of {step} fails")
+    if f"undo:{step}" == kill_at:
+        _wait_gate(self, f"flow-kill:{order}:undo:{step}")
+    return {"undone": step}
+
+
+def _step_kwargs(step: str) -> Any:
+    def build(input: Any, results: Any) -> dict[str, Any]:
+        previous = {name: value for name, value in results.items()}
+        return {**input, "step": step, "previous": previous}
+
+    return build
+
+
+TEST_FLOW = Flow(
+    "test-order",
+    [
+        Step("a", "testapp.flow_step", compensate="testapp.flow_undo", kwargs=_step_kwargs("a"),
+             compensate_kwargs=_step_kwargs("a")),
+        Step("b", "testapp.flow_step", compensate="testapp.flow_undo", kwargs=_step_kwargs("b"),
+             compensate_kwargs=_step_kwargs("b")),
+        Step("c", "testapp.flow_step", kwargs=_step_kwargs("c")),
+    ],
+)  # fmt: skip

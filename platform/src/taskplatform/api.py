@@ -7,7 +7,19 @@ layer: submission in ``core.submission``, job schedules in the ``jobs`` service.
 
 from __future__ import annotations
 
+from .core.flows import submit_flow
 from .core.submission import SubmitManyResult, submit, submit_many, submit_or_get
+from .domain.flows import Flow, Step
 from .jobs import define_limit, schedule_job
 
-__all__ = ["SubmitManyResult", "define_limit", "schedule_job", "submit", "submit_many", "submit_or_get"]
+__all__ = [
+    "Flow",
+    "Step",
+    "SubmitManyResult",
+    "define_limit",
+    "schedule_job",
+    "submit",
+    "submit_flow",
+    "submit_many",
+    "submit_or_get",
+]

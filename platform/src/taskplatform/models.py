@@ -46,6 +46,7 @@ class Trigger(models.TextChoices):
     BEAT = "beat", "the beat scheduler"
     ADMIN = "admin", "an operator in the admin"
     CELERY = "celery", "a plain Celery call (delay / apply_async)"
+    FLOW = "flow", "a step or compensation of a flow"
 
 
 class EventKind(models.TextChoices):
@@ -268,6 +269,9 @@ class Execution(models.Model):
         db_default="",
         help_text="W3C traceparent of the span that recorded it (tracing on).",
     )
+    #: Not a foreign key, and not indexed: the hot path's inserts pay nothing for it, and a
+    #: flow finds its executions by their keys (``core/flows.py``).
+    flow_id = models.BigIntegerField(null=True, blank=True, help_text="The flow run this is a step or compensation of.")
 
     objects = ExecutionQuerySet.as_manager()
 
@@ -327,6 +331,51 @@ class ExecutionEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.attempt} {self.from_state}→{self.to_state}"
+
+
+class FlowState(models.TextChoices):
+    """Where a flow run is (``core/flows.py``)."""
+
+    RUNNING = "RUNNING", "running"  # its steps run in order
+    SUCCEEDED = "SUCCEEDED", "succeeded"  # terminal: every step succeeded
+    COMPENSATING = "COMPENSATING", "compensating"  # a step failed for good; undoing the ones before it
+    COMPENSATED = "COMPENSATED", "compensated"  # terminal: every succeeded step was undone
+    FAILED_TO_COMPENSATE = "FAILED_TO_COMPENSATE", "failed to compensate"  # a compensation dead-lettered
+
+
+class FlowRun(models.Model):
+    """One run of a declared flow (``taskplatform.Flow``): ordered steps, each an execution,
+    and on a step's failure the compensations of the steps before it, in reverse order.
+
+    Its step executions are keyed ``flow:<id>:<index>:<step>`` and its compensations
+    ``…:undo``, so a replayed message or a second advance never runs a step twice.
+    """
+
+    key = models.CharField(max_length=255, unique=True, help_text="The caller's idempotency key for the whole flow.")
+    flow = models.CharField(max_length=100, help_text="The declared flow's name.")
+    input = models.JSONField(default=dict, blank=True, help_text="The arguments the flow was started with.")
+    state = models.CharField(max_length=24, choices=FlowState.choices, default=FlowState.RUNNING)
+    step = models.PositiveSmallIntegerField(default=0, help_text="Index of the step (or compensation) in progress.")
+    results = models.JSONField(default=dict, blank=True, help_text="Each succeeded step's result, by step name.")
+    failed_step = models.CharField(max_length=100, blank=True, help_text="The step that failed for good.")
+    error = models.TextField(blank=True)
+    check_at = models.DateTimeField(
+        null=True, blank=True, help_text="The rescuer looks at it then if nothing moved it on before."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        verbose_name = "flow"
+        indexes = [
+            models.Index(fields=["state", "check_at"], name="tp_flow_state_check"),
+            models.Index(fields=["state", "created_at"], name="tp_flow_state_created"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.flow} {self.key} ({self.state})"
 
 
 class Limit(models.Model):

@@ -31,6 +31,7 @@ from django.utils.html import format_html
 from .. import jobs
 from ..backends import backend_config, get_lock_backend
 from ..conf import platform_settings
+from ..core import flows as flow_runs
 from ..domain.states import Actor as _Actor
 from ..domain.states import State, find_transition
 from ..exceptions import TaskPlatformError
@@ -38,6 +39,7 @@ from ..models import (
     BeatProcess,
     Execution,
     ExecutionEvent,
+    FlowRun,
     JobDefinition,
     Limit,
     LockLease,
@@ -514,6 +516,73 @@ class JobDefinitionAdmin(admin.ModelAdmin):
         for job in queryset:
             copy = jobs.duplicate_job(job, user=user_label(request), new_slug=jobs.free_slug(job.slug))
             self.message_user(request, f"{job.slug} copied to {copy.slug} (paused).")
+
+
+# --- flows ------------------------------------------------------------------------------------
+
+
+@admin.register(FlowRun)
+class FlowRunAdmin(admin.ModelAdmin):
+    """Flow runs (sagas), read-only: the operator acts on a step's or a compensation's
+    execution (retry, mark done), and the flow moves on from there (``core/flows.py``)."""
+
+    list_display = ("id", "state_badge", "flow", "key", "current", "failed_step", "created_at", "finished_at")
+    list_display_links = ("id", "key")
+    list_filter = ("state", "flow")
+    search_fields = ("key",)
+    search_help_text = "A flow key or its beginning."
+    readonly_fields = ("state_badge", "flow", "key", "input_pretty", "results_pretty", "failed_step", "error",
+                       "created_at", "updated_at", "finished_at", "check_at")  # fmt: skip
+    fields = readonly_fields
+    change_form_template = "admin/taskplatform/flowrun/change_form.html"
+
+    class Media:
+        css = CONSOLE_CSS
+
+    @admin.display(description="state")
+    def state_badge(self, obj: FlowRun) -> str:
+        return format_html('<span class="tp-badge tp-flow-{}">{}</span>', obj.state.lower(), obj.get_state_display())
+
+    @admin.display(description="step")
+    def current(self, obj: FlowRun) -> str:
+        return "—" if obj.finished_at else str(obj.step)
+
+    @admin.display(description="input")
+    def input_pretty(self, obj: FlowRun) -> str:
+        return pretty_json(obj.input)
+
+    @admin.display(description="results")
+    def results_pretty(self, obj: FlowRun) -> str:
+        return pretty_json(obj.results)
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[FlowRun], search_term: str) -> Any:
+        term = search_term.strip()
+        return (queryset.filter(key__startswith=term) if term else queryset), False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The steps and compensations with their executions, and one timeline of them all."""
+        run = self.get_object(request, object_id)
+        extra = dict(extra_context or {})
+        if run is not None:
+            extra["tp_parts"] = flow_runs.parts(run)
+            extra["tp_timeline"] = [
+                {**row, "part": part, "execution_id": execution_id}
+                for part, execution_id, row in (
+                    (r["part"], r["execution"].pk, timeline_rows([r["event"]])[0]) for r in flow_runs.timeline(run)
+                )
+            ]
+        return super().change_view(request, object_id, form_url, extra)
 
 
 # --- fleet-wide limits ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from django.db import transaction
 
 from ..backends import get_lock_backend
-from ..core import ledger
+from ..core import flows, ledger
 from ..core.audit import audit
 from ..core.submission import submit_or_get
 from ..domain.states import State
@@ -82,6 +82,10 @@ def apply(action_name: str, expected: dict[int, str], *, user: str, reason: str,
         if stops_work and revoke and execution.celery_task_id:
             # A body still running after "mark failed" could run beside a retry: stop it.
             _revoke(execution, running=seen == State.RUNNING)
+        if execution.flow_id is not None:
+            # A step or compensation of a flow: a retried compensation puts the flow back to
+            # compensating, one marked done lets it go on (``core/flows.py``).
+            flows.advance_quietly(execution.flow_id)
     return outcome
 
 

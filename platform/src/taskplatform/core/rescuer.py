@@ -4,11 +4,13 @@ One pass does two things, each bounded by ``TASKPLATFORM_RESCUE_BATCH_SIZE``:
 
 1. ``RUNNING`` rows whose lease expired (worker killed, OOM, machine lost, process paused)
    are re-queued as a new attempt, or dead-lettered when attempts are exhausted.
-2. ``PENDING``/``RETRYING`` rows whose ``due_at`` passed are published: parked retries and
+2. ``PENDING``/``RETRYING``/``WAITING`` rows whose ``due_at`` passed are published: parked retries and
    long countdowns that are now due, and rows whose message was lost (process died between
    commit and publish, broker flushed or restarted without persistence). Re-publication
    backs off (``republish_after_seconds``, doubling) so a long queue is not multiplied, and
    a claim absorbs any extra copy.
+3. Flow runs whose ``check_at`` passed are moved on (``flows.advance``): the backstop for a
+   worker that died between a step's outcome and the flow's next move.
 
 The beat leader runs it (``scheduling.maintenance``); ``python manage.py taskplatform rescue``
 and the ``taskplatform.rescue`` Celery task run the same function.
@@ -30,7 +32,7 @@ from ..conf import platform_settings
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP
 from ..domain.states import State
 from ..models import Execution, UtcNow
-from . import ledger
+from . import flows, ledger
 from .validation import is_idempotent, registered_task
 
 log = logging.getLogger("taskplatform.rescuer")
@@ -43,6 +45,7 @@ class RescueReport:
     rescued: int = 0
     dead_lettered: int = 0
     published: int = 0
+    flows_advanced: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -110,6 +113,8 @@ def run_rescuer(now: datetime | None = None) -> RescueReport:
         if published:
             report.published += 1
 
-    if report.rescued or report.dead_lettered or report.published:
+    report.flows_advanced = flows.advance_due(batch=batch)
+
+    if report.rescued or report.dead_lettered or report.published or report.flows_advanced:
         log.info("rescuer pass", extra=report.as_dict())
     return report

@@ -115,6 +115,7 @@ def _submit_or_get(
     on_commit: bool,
     trigger: str,
     slot: datetime | None,
+    flow_id: int | None = None,
 ) -> tuple[Execution, bool]:
     job: JobDefinition | None = None
     if isinstance(task_or_name, JobDefinition):
@@ -157,6 +158,7 @@ def _submit_or_get(
         celery_task_id=task_id,
         publish_count=1 if on_broker else 0,
         trace_context=tracing.traceparent(),
+        flow_id=flow_id,
     )
     execution, created = ledger.create(spec)
     if not created:

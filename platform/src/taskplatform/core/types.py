@@ -58,6 +58,7 @@ class NewExecution:
     celery_task_id: str = ""
     publish_count: int = 0
     trace_context: str = ""
+    flow_id: int | None = None
 
     def build(self) -> Execution:
         return Execution(
@@ -74,5 +75,6 @@ class NewExecution:
             celery_task_id=self.celery_task_id,
             publish_count=self.publish_count,
             trace_context=self.trace_context,
+            flow_id=self.flow_id,
             state=State.PENDING,
         )

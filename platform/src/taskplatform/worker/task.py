@@ -46,7 +46,7 @@ from .retry import RetryPolicy
 
 if TYPE_CHECKING:
     from .. import models
-    from ..core import leases, ledger, submission
+    from ..core import flows, leases, ledger, submission
     from ..core import types as core_types
     from ..models import Execution, JobDefinition
     from . import limits
@@ -56,6 +56,7 @@ else:
     models = lazy_module("taskplatform.models")
     leases = lazy_module("taskplatform.core.leases")
     ledger = lazy_module("taskplatform.core.ledger")
+    flows = lazy_module("taskplatform.core.flows")
     limits = lazy_module("taskplatform.worker.limits")
     submission = lazy_module("taskplatform.core.submission")
     core_types = lazy_module("taskplatform.core.types")
@@ -168,6 +169,9 @@ def _defer_success(task: Task, request: Any) -> bool:
         return False
     if request.callbacks or request.chain or request.chord:
         return False
+    execution = getattr(request, "tp_execution", None)
+    if execution is not None and execution.flow_id is not None:
+        return False  # a flow moves on once this success is written (``core/flows.py``)
     return bool(connection.vendor != "sqlite")
 
 
@@ -554,6 +558,8 @@ class IdempotentTask(Task):
             if not deferred:
                 leases.lease_keeper().unwatch(watch)
             limits.release(held, worker=worker)  # released with the body already; here if that raised first
+            if execution.flow_id is not None:
+                flows.advance_quietly(execution.flow_id)  # the step's outcome is written: the flow's next move
         raise AssertionError("unreachable")  # pragma: no cover - _record_failure always raises
 
     def _wait_for_limit(

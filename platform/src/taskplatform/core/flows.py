@@ -1,0 +1,248 @@
+"""Flows: ordered steps with compensations (a saga), on the ledger.
+
+A flow is declared once, in code that workers import (a ``tasks.py``)::
+
+    order = Flow("order", [
+        Step("reserve", reserve_stock, compensate=release_stock),
+        Step("capture", capture_payment, compensate=refund_payment,
+             kwargs=lambda input, results: {"order": input["order"], "cents": input["cents"]}),
+        Step("coupon", issue_coupon),
+    ])
+    run = submit_flow(order, key=f"order:{number}", input={"order": number, "cents": 1999})
+
+Each step is an ``IdempotentTask`` execution keyed ``flow:<run id>:<index>:<step>``; its
+compensation is keyed ``…:undo``. A step's result (``execution.result``) is kept on the run
+and handed to the ``kwargs`` builders of the later steps and of the compensations.
+
+The run moves on in ``advance``, which reads its executions and does the one next thing:
+submit the next step, or, once a step has dead-lettered (or was cancelled), submit the
+compensation of the last succeeded step not yet undone, in reverse order. Every submission is
+keyed, and the run's row is locked while it decides, so calling ``advance`` twice, from two
+processes, or after a crash, submits nothing twice. It is called by the worker when a flow
+execution's attempt ends, by the console after an operator's action on one, and by the
+rescuer for any run whose ``check_at`` passed (the backstop for a worker killed between a
+step's outcome and its ``advance``).
+
+States (``FlowState``): ``RUNNING`` → ``SUCCEEDED``; ``RUNNING`` → ``COMPENSATING`` →
+``COMPENSATED``; ``COMPENSATING`` → ``FAILED_TO_COMPENSATE`` when a compensation
+dead-letters, and back to ``COMPENSATING`` once an operator retries it or marks it done.
+A step that fails for good is not compensated itself: a step must leave no effect when it
+fails (an atomic step rolls back; a non-atomic one must undo its own partial work).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from ..domain.flows import Flow, Step, registered
+from ..domain.states import State
+from ..exceptions import IdempotencyKeyConflictError, InvalidArgumentsError
+from ..models import Execution, FlowRun, FlowState, Trigger
+from . import submission
+from .validation import check_idempotency_key, encode_arguments
+
+log = logging.getLogger("taskplatform.flows")
+
+#: How long after a move a running flow is looked at by the rescuer if nothing moved it on.
+CHECK_SECONDS = 60
+#: The same for a flow waiting on an operator (a dead-lettered compensation).
+STUCK_CHECK_SECONDS = 3600
+
+TERMINAL = frozenset({FlowState.SUCCEEDED, FlowState.COMPENSATED})
+
+
+def step_key(run: FlowRun, index: int, step: Step) -> str:
+    return f"flow:{run.pk}:{index}:{step.name}"
+
+
+def undo_key(run: FlowRun, index: int, step: Step) -> str:
+    return f"flow:{run.pk}:{index}:{step.name}:undo"
+
+
+def flow_keys(run: FlowRun) -> list[str]:
+    """The keys of every step and compensation ``run`` may have (its flow declared)."""
+    flow = registered(run.flow)
+    if flow is None:
+        return []
+    return [k for i, s in enumerate(flow.steps) for k in (step_key(run, i, s), undo_key(run, i, s))]
+
+
+def submit_flow(
+    flow: Flow | str, *, key: str, input: Mapping[str, Any] | None = None, on_commit: bool = True
+) -> FlowRun:
+    """Start ``flow`` under ``key`` (its first step is submitted in the same transaction), or
+    return the run that key already names. The same key with another flow or other input is
+    refused (``IdempotencyKeyConflictError``); input must be a JSON object."""
+    declared = registered(flow) if isinstance(flow, str) else flow
+    if declared is None:
+        raise InvalidArgumentsError(f"no flow named {flow!r} is declared (is its module imported?)")
+    checked = check_idempotency_key(key)
+    if input is not None and not isinstance(input, Mapping):
+        raise InvalidArgumentsError("a flow's input is a JSON object of keyword arguments")
+    _args, data, _size = encode_arguments([], dict(input or {}))
+    with transaction.atomic():
+        run, created = FlowRun.objects.get_or_create(
+            key=checked, defaults={"flow": declared.name, "input": data, "check_at": _later(CHECK_SECONDS)}
+        )
+        if not created:
+            if run.flow != declared.name or run.input != data:
+                raise IdempotencyKeyConflictError(
+                    f"flow key {checked!r} already names run {run.pk} of flow {run.flow!r} with other input",
+                    flow_run=run.pk,
+                )
+            return run
+        _decide(run, declared, on_commit=on_commit)
+        run.save()
+    log.info("flow started", extra={"flow": declared.name, "flow_run": run.pk, "flow_key": checked})
+    return run
+
+
+def advance(run_id: int | None, *, on_commit: bool = True) -> FlowRun | None:
+    """Do the next thing for flow run ``run_id`` (see the module docstring); safe to call any
+    number of times from anywhere."""
+    if run_id is None:
+        return None
+    with transaction.atomic():
+        run = FlowRun.objects.select_for_update().filter(pk=run_id).first()
+        if run is None or run.state in TERMINAL:
+            return run
+        flow = registered(run.flow)
+        if flow is None:
+            log.error("flow run of an undeclared flow: not advanced", extra={"flow": run.flow, "flow_run": run.pk})
+            run.check_at = _later(STUCK_CHECK_SECONDS)
+        else:
+            _decide(run, flow, on_commit=on_commit)
+        run.save()
+    return run
+
+
+def advance_quietly(run_id: int | None) -> None:
+    """``advance`` for a caller whose own work is done (a worker after an attempt): an error is
+    logged, and the rescuer's look at ``check_at`` moves the run on instead."""
+    try:
+        advance(run_id)
+    except Exception:
+        log.warning("could not advance the flow; the rescuer will", exc_info=True, extra={"flow_run": run_id})
+
+
+def advance_due(*, batch: int = 200) -> int:
+    """The rescuer's backstop: advance every unfinished run whose ``check_at`` has passed."""
+    due = list(
+        FlowRun.objects.filter(
+            state__in=(FlowState.RUNNING, FlowState.COMPENSATING, FlowState.FAILED_TO_COMPENSATE),
+            check_at__lte=timezone.now(),
+        )
+        .order_by("check_at")
+        .values_list("pk", flat=True)[:batch]
+    )
+    for pk in due:
+        advance_quietly(pk)
+    return len(due)
+
+
+def _later(seconds: int) -> Any:
+    return timezone.now() + timedelta(seconds=seconds)
+
+
+def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
+    """The one next move of ``run`` (locked by the caller), from its executions' states."""
+    found = {e.idempotency_key: e for e in Execution.objects.filter(idempotency_key__in=flow_keys(run))}
+    results = dict(run.results or {})
+    if run.state == FlowState.RUNNING:
+        for i, step in enumerate(flow.steps):
+            execution = found.get(step_key(run, i, step))
+            run.step = i
+            if execution is None:
+                _submit(run, step.task_name, step.kwargs(run.input, results), step_key(run, i, step), on_commit)
+                run.check_at = _later(CHECK_SECONDS)
+                return
+            if execution.state == State.SUCCEEDED:
+                results[step.name] = execution.result
+                run.results = results
+                continue
+            if execution.state in (State.FAILED, State.CANCELLED):
+                run.state = FlowState.COMPENSATING
+                run.failed_step = step.name
+                run.error = execution.last_error or f"step {step.name} was {execution.state.lower()}"
+                log.warning("flow step failed for good; compensating", extra={"flow_run": run.pk, "step": step.name})
+                break
+            run.check_at = _later(CHECK_SECONDS)  # the step is still on its way
+            return
+        else:
+            run.state = FlowState.SUCCEEDED
+            run.finished_at = timezone.now()
+            run.check_at = None
+            return
+    failed_at = flow.index(run.failed_step) if run.failed_step else len(flow.steps)
+    for j in range(failed_at - 1, -1, -1):
+        step = flow.steps[j]
+        if step.compensate_name is None:
+            continue
+        run.step = j
+        execution = found.get(undo_key(run, j, step))
+        if execution is None:
+            run.state = FlowState.COMPENSATING
+            kwargs = step.compensate_kwargs(run.input, results)
+            _submit(run, step.compensate_name, kwargs, undo_key(run, j, step), on_commit)
+            run.check_at = _later(CHECK_SECONDS)
+            return
+        if execution.state == State.SUCCEEDED:
+            continue
+        if execution.state in (State.FAILED, State.CANCELLED):
+            if run.state != FlowState.FAILED_TO_COMPENSATE:
+                log.error("a compensation failed for good", extra={"flow_run": run.pk, "step": step.name})
+            run.state = FlowState.FAILED_TO_COMPENSATE
+            run.error = execution.last_error or f"compensation of {step.name} was {execution.state.lower()}"
+            run.check_at = _later(STUCK_CHECK_SECONDS)
+            return
+        run.state = FlowState.COMPENSATING  # on its way (perhaps retried by an operator)
+        run.check_at = _later(CHECK_SECONDS)
+        return
+    run.state = FlowState.COMPENSATED
+    run.finished_at = timezone.now()
+    run.check_at = None
+
+
+def _submit(run: FlowRun, task_name: str, kwargs: Mapping[str, Any], key: str, on_commit: bool) -> None:
+    submission._submit_or_get(
+        task_name, [], dict(kwargs), idempotency_key=key, countdown=None, eta=None, queue=None, priority=None,
+        on_commit=on_commit, trigger=Trigger.FLOW, slot=None, flow_id=run.pk,
+    )  # fmt: skip
+
+
+def timeline(run: FlowRun) -> list[dict[str, Any]]:
+    """Every event of the run's executions, steps and compensations, on one timeline."""
+    from ..models import ExecutionEvent
+
+    executions = {e.pk: e for e in Execution.objects.filter(flow_id=run.pk, idempotency_key__in=flow_keys(run))}
+    events = ExecutionEvent.objects.filter(execution_id__in=list(executions)).order_by("at", "id")
+    rows = []
+    for event in events:
+        execution = executions[event.execution_id]
+        part = execution.idempotency_key.split(":", 3)[3]
+        rows.append({"event": event, "execution": execution, "part": part.replace(":undo", " (compensation)")})
+    return rows
+
+
+def parts(run: FlowRun) -> list[dict[str, Any]]:
+    """The run's steps and compensations as the console lists them: each with its execution
+    (None until submitted)."""
+    flow = registered(run.flow)
+    if flow is None:
+        return []
+    found = {e.idempotency_key: e for e in Execution.objects.filter(idempotency_key__in=flow_keys(run))}
+    rows = []
+    for i, step in enumerate(flow.steps):
+        rows.append({"name": step.name, "kind": "step", "task": step.task_name,
+                     "execution": found.get(step_key(run, i, step))})  # fmt: skip
+    for i, step in reversed(list(enumerate(flow.steps))):
+        if step.compensate_name is not None:
+            rows.append({"name": step.name, "kind": "compensation", "task": step.compensate_name,
+                         "execution": found.get(undo_key(run, i, step))})  # fmt: skip
+    return rows

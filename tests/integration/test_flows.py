@@ -1,0 +1,206 @@
+"""Flows with real workers: steps in order, compensations in reverse, faults at every point.
+
+The flow is ``tests/testapp/tasks.py``'s ``test-order``: atomic steps ``a``, ``b``, ``c``, the
+first two with atomic compensations. Effects are counted in ``Effect`` (no unique
+constraint): each forward effect and each compensation must be there exactly once where the
+flow's outcome says it happened, and not at all otherwise. Body starts are logged outside
+the transactions (a Redis list) to find the pool process to kill.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+import redis
+from django.conf import settings
+
+from taskplatform import submit_flow
+from taskplatform.console import interventions
+from taskplatform.core import flows
+from taskplatform.core.publisher import publish
+from taskplatform.core.rescuer import run_rescuer
+from taskplatform.models import Execution, FlowRun, FlowState
+from tests.testapp.models import Effect, Gate
+from tests.testapp.tasks import TEST_FLOW
+
+pytestmark = [pytest.mark.worker]
+
+
+def effects(order: str) -> list[str]:
+    """The committed effects of ``order``, in commit order, without the order prefix."""
+    keys = Effect.objects.filter(key__startswith=f"{order}:").order_by("id").values_list("key", flat=True)
+    return [k[len(order) + 1 :] for k in keys]
+
+
+def run_of(order: str) -> FlowRun:
+    return FlowRun.objects.get(key=f"order:{order}")
+
+
+def finished(order: str, state: str):
+    def check() -> bool:
+        return run_of(order).state == state
+
+    return check
+
+
+def start(order: str, **input) -> FlowRun:
+    return submit_flow(TEST_FLOW, key=f"order:{order}", input={"order": order, **input})
+
+
+def new_order() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def test_steps_run_in_order_and_each_result_feeds_the_next(workers, poll):
+    workers.start(concurrency=2)
+    order = new_order()
+    start(order)
+    poll(finished(order, FlowState.SUCCEEDED), timeout=60, what="the flow succeeded")
+    assert effects(order) == ["a", "b", "c"]
+    run = run_of(order)
+    assert run.results["a"]["step"] == "a" and set(run.results) == {"a", "b", "c"}
+    b = Execution.objects.get(idempotency_key=f"flow:{run.pk}:1:b")
+    assert b.kwargs["previous"] == {"a": run.results["a"]}, "step b got a's result"
+    assert b.flow_id == run.pk and b.trigger == "flow"
+
+
+@pytest.mark.parametrize(
+    ("fail_at", "expected"),
+    [
+        ("a", []),
+        ("b", ["a", "a:undo"]),
+        ("c", ["a", "b", "b:undo", "a:undo"]),
+    ],
+)
+def test_a_step_failing_for_good_compensates_the_steps_before_it_in_reverse(workers, poll, fail_at, expected):
+    workers.start(concurrency=2)
+    order = new_order()
+    start(order, fail_at=fail_at)
+    poll(finished(order, FlowState.COMPENSATED), timeout=60, what="the flow compensated")
+    assert effects(order) == expected
+    run = run_of(order)
+    assert run.failed_step == fail_at and "fails for good" in run.error
+
+
+def test_a_failed_compensation_stops_the_flow_until_an_operator_retries_it(workers, poll):
+    workers.start(concurrency=2)
+    order = new_order()
+    start(order, fail_at="c", undo_fails="a")
+    poll(finished(order, FlowState.FAILED_TO_COMPENSATE), timeout=60, what="failed to compensate")
+    assert effects(order) == ["a", "b", "b:undo"]
+    run = run_of(order)
+    undo = Execution.objects.get(idempotency_key=f"flow:{run.pk}:0:a:undo")
+    assert undo.state == "FAILED", "the compensation is a dead letter in the console"
+    Gate.objects.create(name=f"undo-ok:{order}", open=True)
+    outcome = interventions.apply("retry_now", {undo.pk: "FAILED"}, user="ops", reason="gateway fixed")
+    assert outcome.changed == [undo.pk]
+    poll(finished(order, FlowState.COMPENSATED), timeout=60, what="compensated after the retry")
+    assert effects(order) == ["a", "b", "b:undo", "a:undo"]
+
+
+def test_an_operator_can_mark_a_failed_compensation_done(workers, poll):
+    workers.start(concurrency=2)
+    order = new_order()
+    start(order, fail_at="b", undo_fails="a")
+    poll(finished(order, FlowState.FAILED_TO_COMPENSATE), timeout=60, what="failed to compensate")
+    run = run_of(order)
+    undo = Execution.objects.get(idempotency_key=f"flow:{run.pk}:0:a:undo")
+    interventions.apply("mark_succeeded", {undo.pk: "FAILED"}, user="ops", reason="refunded by hand")
+    assert run_of(order).state == FlowState.COMPENSATED
+    assert effects(order) == ["a"], "nothing more ran"
+
+
+def _starts(key: str) -> list[tuple[int, int]]:
+    raw = redis.Redis.from_url(settings.CELERY_BROKER_URL).lrange(f"tp-starts:{key}", 0, -1)
+    return [tuple(int(x) for x in item.decode().split(":")) for item in raw]  # type: ignore[misc]
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("kill_at", ["a", "b", "c", "undo:a", "undo:b"])
+def test_a_pool_process_killed_in_any_step_or_compensation_changes_nothing_but_time(workers, poll, kill_at):
+    """SIGKILL of the pool process running one step or compensation: the attempt is taken
+    over, the flow ends as its failures imply, and every effect is there exactly once."""
+    worker = workers.start(concurrency=2)
+    order = new_order()
+    compensating = kill_at.startswith("undo:")
+    start(order, kill_at=kill_at, fail_at="c" if compensating else "")
+    run = poll(lambda: FlowRun.objects.filter(key=f"order:{order}").first(), timeout=30, what="the run")
+    step = kill_at.removeprefix("undo:")
+    index = "abc".index(step)
+    key = f"flow:{run.pk}:{index}:{step}" + (":undo" if compensating else "")
+    token, pid = poll(lambda: (_starts(key) or [None])[0], timeout=60, what=f"{kill_at} started")
+    assert pid in {c.pid for c in worker.pool_children()}, "only our own pool child is signalled"
+    os.kill(pid, signal.SIGKILL)
+    Gate.objects.create(name=f"flow-kill:{order}:{kill_at}:{token + 1}", open=True)
+    final = FlowState.COMPENSATED if compensating else FlowState.SUCCEEDED
+    poll(finished(order, final), timeout=90, interval=0.2, what=f"the flow {final.lower()}")
+    expected = ["a", "b", "b:undo", "a:undo"] if compensating else ["a", "b", "c"]
+    assert effects(order) == expected
+    assert [t for t, _ in _starts(key)] == [token, token + 1], "the killed attempt and its takeover"
+
+
+def test_duplicate_advances_and_duplicate_messages_run_nothing_twice(workers, poll):
+    """Every message of a finished flow published again, and ``advance`` called again and
+    again meanwhile: each step and compensation has run once."""
+    workers.start(concurrency=2)
+    order = new_order()
+    start(order, fail_at="c")
+    run = run_of(order)
+    for _ in range(20):
+        flows.advance(run.pk)
+    poll(finished(order, FlowState.COMPENSATED), timeout=60, what="compensated")
+    for execution in Execution.objects.filter(flow_id=run.pk):
+        publish(execution, task_id=execution.celery_task_id)
+        publish(execution, task_id=f"dup-{uuid.uuid4()}")
+    flows.advance(run.pk)
+    run_rescuer()
+    poll(
+        lambda: (
+            Execution.objects.filter(flow_id=run.pk, events__kind="already_finished").distinct().count()
+            == Execution.objects.filter(flow_id=run.pk).count()
+        ),
+        timeout=60,
+        what="every duplicate delivered and absorbed",
+    )
+    assert effects(order) == ["a", "b", "b:undo", "a:undo"]
+    assert run_of(order).state == FlowState.COMPENSATED
+
+
+def test_the_rescuer_moves_a_flow_on_when_its_worker_died_before_advancing(transactional_db):
+    """The backstop: a step finished but nobody advanced (the worker died in between)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from taskplatform.core import ledger
+
+    order = new_order()
+    run = start(order)
+    first = Execution.objects.get(idempotency_key=f"flow:{run.pk}:0:a")
+    claim = ledger.claim(first, worker="n:1", celery_task_id=first.celery_task_id, lease_seconds=30, max_attempts=3)
+    ledger.succeed(claim.execution, claim.token, {"step": "a"}, worker="n:1", data={})
+    assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:1:b").exists()
+    FlowRun.objects.filter(pk=run.pk).update(check_at=timezone.now() - timedelta(seconds=1))
+    assert run_rescuer().flows_advanced == 1
+    assert Execution.objects.filter(idempotency_key=f"flow:{run.pk}:1:b", flow_id=run.pk).exists()
+
+
+def test_the_console_shows_a_flow_with_its_steps_and_compensations_on_one_timeline(workers, poll, admin_client):
+    workers.start(concurrency=2)
+    order = new_order()
+    start(order, fail_at="c")
+    poll(finished(order, FlowState.COMPENSATED), timeout=60, what="compensated")
+    run = run_of(order)
+    listing = admin_client.get("/admin/taskplatform/flowrun/?state__exact=COMPENSATED").content.decode()
+    assert f"order:{order}" in listing
+    assert (
+        f"order:{order}" not in admin_client.get("/admin/taskplatform/flowrun/?state__exact=RUNNING").content.decode()
+    )
+    page = admin_client.get(f"/admin/taskplatform/flowrun/{run.pk}/change/").content.decode()
+    assert page.count("not submitted") == 0 and "undo <b>a</b>" in page and "undo <b>b</b>" in page
+    for part in ("a", "b", "c", "b (compensation)", "a (compensation)"):
+        assert f">{part}</a>" in page, part
+    assert "dead_lettered" in page and "fails for good" in page

@@ -1,0 +1,130 @@
+"""Flows on the ledger without workers: the decisions, the keys, bad input (portable).
+
+The steps are moved by hand through the ledger (claim, succeed, dead-letter), so each
+decision of ``core/flows.py`` is checked on PostgreSQL, SQLite and MariaDB.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+
+from taskplatform import Flow, Step, submit_flow
+from taskplatform.core import flows, ledger
+from taskplatform.domain.states import State
+from taskplatform.exceptions import IdempotencyKeyConflictError, InvalidArgumentsError, SubmissionError
+from taskplatform.models import Execution, FlowRun, FlowState
+from tests.testapp.tasks import TEST_FLOW
+
+pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
+
+
+def step_row(run: FlowRun, index: int, name: str, undo: bool = False) -> Execution:
+    return Execution.objects.get(idempotency_key=f"flow:{run.pk}:{index}:{name}" + (":undo" if undo else ""))
+
+
+def succeed(execution: Execution, result: object) -> None:
+    c = ledger.claim(execution, worker="n:1", celery_task_id=execution.celery_task_id, lease_seconds=30, max_attempts=3)
+    ledger.succeed(c.execution, c.token, result, worker="n:1", data={})
+    flows.advance(execution.flow_id)
+
+
+def fail(execution: Execution) -> None:
+    c = ledger.claim(execution, worker="n:1", celery_task_id=execution.celery_task_id, lease_seconds=30, max_attempts=3)
+    ledger.dead_letter(c.execution, c.token, error="E: no", traceback="", worker="n:1")
+    flows.advance(execution.flow_id)
+
+
+def test_the_first_step_is_submitted_with_the_run_and_a_second_start_is_the_same_run():
+    run = submit_flow(TEST_FLOW, key="order:1", input={"order": "1"})
+    assert run.state == FlowState.RUNNING
+    first = step_row(run, 0, "a")
+    assert first.state == State.PENDING and first.flow_id == run.pk and first.kwargs["step"] == "a"
+    again = submit_flow(TEST_FLOW, key="order:1", input={"order": "1"})
+    assert again.pk == run.pk and Execution.objects.filter(flow_id=run.pk).count() == 1
+
+
+def test_advancing_again_and_again_submits_each_step_once():
+    run = submit_flow("test-order", key="order:2", input={"order": "2"})
+    for _ in range(3):
+        flows.advance(run.pk)
+    succeed(step_row(run, 0, "a"), {"x": 1})
+    for _ in range(3):
+        flows.advance(run.pk)
+    assert Execution.objects.filter(flow_id=run.pk).count() == 2
+    assert step_row(run, 1, "b").kwargs["previous"] == {"a": {"x": 1}}
+
+
+def test_success_then_compensation_in_reverse_then_compensated():
+    run = submit_flow(TEST_FLOW, key="order:3", input={"order": "3"})
+    succeed(step_row(run, 0, "a"), "ra")
+    succeed(step_row(run, 1, "b"), "rb")
+    fail(step_row(run, 2, "c"))
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATING and run.failed_step == "c" and "E: no" in run.error
+    assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:0:a:undo").exists(), "b is undone first"
+    undo_b = step_row(run, 1, "b", undo=True)
+    assert undo_b.kwargs["previous"] == {"a": "ra", "b": "rb"}
+    succeed(undo_b, None)
+    succeed(step_row(run, 0, "a", undo=True), None)
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATED and run.finished_at is not None
+
+
+def test_a_dead_lettered_compensation_stops_the_flow_and_a_retry_resumes_it():
+    run = submit_flow(TEST_FLOW, key="order:4", input={"order": "4"})
+    succeed(step_row(run, 0, "a"), None)
+    fail(step_row(run, 1, "b"))
+    undo_a = step_row(run, 0, "a", undo=True)
+    fail(undo_a)
+    run.refresh_from_db()
+    assert run.state == FlowState.FAILED_TO_COMPENSATE
+    ledger.operator_transition(undo_a.pk, State.PENDING, user="ops", reason="retry")
+    flows.advance(run.pk)
+    assert FlowRun.objects.get(pk=run.pk).state == FlowState.COMPENSATING
+    succeed(Execution.objects.get(pk=undo_a.pk), None)
+    assert FlowRun.objects.get(pk=run.pk).state == FlowState.COMPENSATED
+
+
+def test_a_cancelled_step_compensates_like_a_failed_one():
+    run = submit_flow(TEST_FLOW, key="order:5", input={"order": "5"})
+    succeed(step_row(run, 0, "a"), None)
+    ledger.operator_transition(step_row(run, 1, "b").pk, State.CANCELLED, user="ops", reason="customer called")
+    flows.advance(run.pk)
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATING and run.failed_step == "b"
+    assert step_row(run, 0, "a", undo=True).state == State.PENDING
+
+
+def test_a_run_of_an_undeclared_flow_waits_and_says_so(caplog):
+    run = FlowRun.objects.create(key="order:ghost", flow="no-such-flow")
+    flows.advance(run.pk)
+    run.refresh_from_db()
+    assert run.state == FlowState.RUNNING and run.check_at is not None
+    assert "undeclared flow" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: submit_flow("no-such-flow", key="k", input={}), InvalidArgumentsError, "no flow named"),
+        (lambda: submit_flow(TEST_FLOW, key="k", input=["a"]), InvalidArgumentsError, "JSON object"),
+        (lambda: submit_flow(TEST_FLOW, key="k", input={"at": datetime(2026, 1, 1)}), SubmissionError, "JSON"),
+        (lambda: submit_flow(TEST_FLOW, key="", input={}), SubmissionError, "key"),
+        (lambda: submit_flow(TEST_FLOW, key="k", input={"blob": "x" * 70_000}), SubmissionError, "bytes"),
+        (lambda: Flow("empty", []), InvalidArgumentsError, "no steps"),
+        (lambda: Flow("twice", [Step("a", "t"), Step("a", "t")]), InvalidArgumentsError, "must differ"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_error_and_nothing_saved(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+    assert not FlowRun.objects.exists() and not Execution.objects.exists()
+
+
+def test_the_same_key_with_other_input_is_a_conflict():
+    submit_flow(TEST_FLOW, key="order:6", input={"order": "6"})
+    with pytest.raises(IdempotencyKeyConflictError, match="other input"):
+        submit_flow(TEST_FLOW, key="order:6", input={"order": "7"})
+    assert FlowRun.objects.count() == 1
