@@ -128,3 +128,28 @@ class Payment(models.Model):
 
     def __str__(self) -> str:
         return self.reference
+
+
+class StockReservation(models.Model):
+    """Stock set aside for an order by its flow's first step; released by its compensation."""
+
+    order = models.CharField(max_length=40, unique=True)
+    item = models.ForeignKey(StockItem, on_delete=models.PROTECT, related_name="reservations")
+    quantity = models.PositiveIntegerField()
+    reserved_at = models.DateTimeField(auto_now_add=True)
+    released_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.order}: {self.quantity} of {self.item.sku}{' (released)' if self.released_at else ''}"
+
+
+class Capture(models.Model):
+    """The payment provider stub: an order's captured payment, and its refund."""
+
+    order = models.CharField(max_length=40, unique=True)
+    amount_cents = models.BigIntegerField()
+    captured_at = models.DateTimeField(auto_now_add=True)
+    refunded_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.order}: {self.amount_cents} cents{' (refunded)' if self.refunded_at else ''}"

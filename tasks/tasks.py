@@ -1,7 +1,8 @@
 """The reference deployment's jobs, written only against the public API of ``taskplatform``.
 
 Demo jobs for ``make run`` (``ping``, ``flaky_sync``) and the reference jobs: coupon issuing,
-order time-out close, inventory sync and sharded payment reconciliation.
+order time-out close, inventory sync, sharded payment reconciliation, and the order flow
+(reserve stock, capture payment, issue a coupon; compensated by a refund and a release).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from celery import shared_task
 from django.db.models import F
 from django.utils import timezone
 
+from taskplatform import Flow, Step
 from taskplatform.tasks import IdempotentTask
 
 
@@ -66,6 +68,11 @@ def issue_coupon(self: CouponTask, campaign: str, user_id: int) -> dict[str, Any
     one transaction, so a crash or a duplicate delivery can neither issue a second coupon
     nor lose a decrement. Keyed by (campaign, user): asking again returns the first answer.
     """
+    return _issue_coupon(campaign, user_id)
+
+
+def _issue_coupon(campaign: str, user_id: int) -> dict[str, Any]:
+    """Issue one coupon in the caller's transaction (the stock row locked), or say why not."""
     from .models import Campaign, Coupon
 
     row = Campaign.objects.select_for_update().filter(slug=campaign).first()
@@ -263,3 +270,80 @@ def reconcile_payment_shard(self: ReconcileShardTask, day: str, shard: int, shar
                 )
                 done += 1
     return {"day": day, "shard": shard, "reconciled": done}
+
+
+# --- the order flow: reserve stock, capture payment, issue a coupon; undone in reverse ---------
+
+
+class OrderStepFailed(Exception):
+    """An order step that cannot succeed (out of stock, coupon campaign sold out): not retried."""
+
+
+@shared_task(base=IdempotentTask, bind=True, name="tasks.reserve_stock", atomic=True, max_retries=3)
+def reserve_stock(self: IdempotentTask, order: str, sku: str, quantity: int, **_: Any) -> dict[str, Any]:
+    """Set ``quantity`` of ``sku`` aside for ``order`` (atomic with the step's success)."""
+    from .models import StockItem, StockReservation
+
+    item = StockItem.objects.select_for_update().filter(sku=sku).first()
+    if item is None or item.quantity < quantity:
+        raise OrderStepFailed(f"not enough {sku} in stock for order {order}")
+    StockItem.objects.filter(pk=item.pk).update(quantity=F("quantity") - quantity)
+    StockReservation.objects.create(order=order, item=item, quantity=quantity)
+    return {"sku": sku, "reserved": quantity}
+
+
+@shared_task(
+    base=IdempotentTask, bind=True, name="tasks.release_stock", atomic=True,
+    autoretry_for=(Exception,), retry_backoff=2, retry_backoff_max=60, max_retries=10,
+)  # fmt: skip
+def release_stock(self: IdempotentTask, order: str, **_: Any) -> dict[str, Any]:
+    """Compensation of ``reserve_stock``: put the order's reserved stock back."""
+    from .models import StockItem, StockReservation
+
+    reservation = StockReservation.objects.select_for_update().filter(order=order, released_at=None).first()
+    if reservation is None:
+        return {"released": 0}
+    StockItem.objects.filter(pk=reservation.item_id).update(quantity=F("quantity") + reservation.quantity)
+    StockReservation.objects.filter(pk=reservation.pk).update(released_at=timezone.now())
+    return {"released": reservation.quantity}
+
+
+@shared_task(base=IdempotentTask, bind=True, name="tasks.capture_payment", atomic=True, max_retries=3)
+def capture_payment(self: IdempotentTask, order: str, amount_cents: int, **_: Any) -> dict[str, Any]:
+    """Capture the order's payment at the provider (a stub: a ``Capture`` row)."""
+    from .models import Capture
+
+    capture = Capture.objects.create(order=order, amount_cents=amount_cents)
+    return {"capture": capture.pk, "amount_cents": amount_cents}
+
+
+@shared_task(
+    base=IdempotentTask, bind=True, name="tasks.refund_payment", atomic=True,
+    autoretry_for=(Exception,), retry_backoff=2, retry_backoff_max=60, max_retries=10,
+)  # fmt: skip
+def refund_payment(self: IdempotentTask, order: str, **_: Any) -> dict[str, Any]:
+    """Compensation of ``capture_payment``: refund the order's capture."""
+    from .models import Capture
+
+    refunded = Capture.objects.filter(order=order, refunded_at=None).update(refunded_at=timezone.now())
+    return {"refunded": refunded}
+
+
+@shared_task(base=IdempotentTask, bind=True, name="tasks.issue_order_coupon", atomic=True, max_retries=3)
+def issue_order_coupon(self: IdempotentTask, order: str, campaign: str, user_id: int, **_: Any) -> dict[str, Any]:
+    """The order's coupon; a sold-out or unknown campaign fails the step for good."""
+    issued = _issue_coupon(campaign, user_id)
+    if not issued["issued"]:
+        raise OrderStepFailed(f"no coupon for order {order}: {issued['reason']}")
+    return issued
+
+
+#: ``POST /api/orders/`` starts one run per order number (``tasks/views.py``).
+ORDER_FLOW = Flow(
+    "order",
+    [
+        Step("reserve-stock", reserve_stock, compensate=release_stock),
+        Step("capture-payment", capture_payment, compensate=refund_payment),
+        Step("issue-coupon", issue_order_coupon),
+    ],
+)

@@ -36,7 +36,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
-from taskplatform import submit_or_get
+from taskplatform import submit_flow_or_get, submit_or_get
 from taskplatform.exceptions import SubmissionError
 from taskplatform.http import (
     HttpError,
@@ -47,9 +47,9 @@ from taskplatform.http import (
     json_body,
 )
 from taskplatform.http import submission_response as platform_submission_response
-from taskplatform.models import Execution
+from taskplatform.models import Execution, FlowRun
 
-from .models import ApiToken, Campaign, ClientRequest, hash_token
+from .models import ApiToken, Campaign, ClientRequest, StockItem, hash_token
 
 View = Callable[..., HttpResponse]
 
@@ -249,3 +249,65 @@ def execution_detail(request: HttpRequest, pk: int) -> HttpResponse:
         return JsonResponse({"error": "not_found", "detail": f"no execution {pk} of yours"}, status=404)
     assert execution is not None
     return JsonResponse(execution_payload(execution))
+
+
+ORDER_NUMBER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,39}$")
+
+
+def _flow_payload(run: FlowRun) -> dict[str, Any]:
+    return {
+        "flow": run.pk, "key": run.key, "state": run.state, "step": run.step, "failed_step": run.failed_step,
+        "error": run.error, "results": run.results, "location": reverse("api-order", args=[run.input["order"]]),
+    }  # fmt: skip
+
+
+@require_POST
+@api_auth
+@handles_errors
+def request_order(request: HttpRequest) -> HttpResponse:
+    """``POST /api/orders/`` ``{"order", "sku", "quantity", "amount_cents", "campaign"}``: the
+    order flow (reserve stock, capture payment, issue a coupon to the requesting user; on a
+    failure, the steps done are undone). One run per order number: ``202`` when this request
+    started it, ``200`` with the same run when it existed, ``422`` for the same order number
+    with other contents."""
+    data = json_body(request)
+    _only(data, {"order", "sku", "quantity", "amount_cents", "campaign"})
+    order, sku, campaign = data.get("order"), data.get("sku"), data.get("campaign")
+    quantity, cents = data.get("quantity", 1), data.get("amount_cents")
+    if not isinstance(order, str) or not ORDER_NUMBER.match(order):
+        raise HttpError(400, "invalid_arguments", "'order' must be an order number (letters, digits, . _ -; 1-40)")
+    if not isinstance(sku, str) or not StockItem.objects.filter(sku=sku).exists():
+        raise HttpError(400, "invalid_arguments", f"no stock item {sku!r}")
+    for name, value in (("quantity", quantity), ("amount_cents", cents)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise HttpError(400, "invalid_arguments", f"{name!r} must be a positive integer")
+    if not isinstance(campaign, str) or not Campaign.objects.filter(slug=campaign).exists():
+        raise HttpError(400, "invalid_arguments", f"no campaign {campaign!r}")
+    payload = {"order": order, "sku": sku, "quantity": quantity, "amount_cents": cents, "campaign": campaign,
+               "user_id": _user(request).pk}  # fmt: skip
+    try:
+        run, created = submit_flow_or_get("order", key=f"order:{order}", input=payload)
+    except SubmissionError as exc:
+        if "other input" in str(exc):
+            raise HttpError(422, "idempotency_key_conflict", f"order {order!r} exists with other contents") from exc
+        raise
+    body = _flow_payload(run)
+    response = JsonResponse(body, status=202 if created else 200)
+    response["Location"] = body["location"]
+    return response
+
+
+@require_GET
+@api_auth
+def order_detail(request: HttpRequest, order: str) -> HttpResponse:
+    """``GET /api/orders/<order>``: the order flow's state, for whoever placed the order or a
+    staff user who may view executions."""
+    run = FlowRun.objects.filter(key=f"order:{order}", flow="order").first()
+    user = _user(request)
+    allowed = run is not None and (
+        run.input.get("user_id") == user.pk or (user.is_staff and user.has_perm(VIEW_EXECUTIONS_PERMISSION))
+    )
+    if not allowed:
+        return JsonResponse({"error": "not_found", "detail": f"no order {order!r} of yours"}, status=404)
+    assert run is not None
+    return JsonResponse(_flow_payload(run))

@@ -22,10 +22,30 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Flow", "Step", "define_limit", "schedule_job", "submit", "submit_flow", "submit_many", "submit_or_get"]
+__all__ = [
+    "Flow",
+    "Step",
+    "define_limit",
+    "schedule_job",
+    "submit",
+    "submit_flow",
+    "submit_flow_or_get",
+    "submit_many",
+    "submit_or_get",
+]
 
 if TYPE_CHECKING:
-    from .api import Flow, Step, define_limit, schedule_job, submit, submit_flow, submit_many, submit_or_get
+    from .api import (
+        Flow,
+        Step,
+        define_limit,
+        schedule_job,
+        submit,
+        submit_flow,
+        submit_flow_or_get,
+        submit_many,
+        submit_or_get,
+    )
 
 
 def __getattr__(name: str) -> Any:

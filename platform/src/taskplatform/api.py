@@ -7,7 +7,7 @@ layer: submission in ``core.submission``, job schedules in the ``jobs`` service.
 
 from __future__ import annotations
 
-from .core.flows import submit_flow
+from .core.flows import submit_flow, submit_flow_or_get
 from .core.submission import SubmitManyResult, submit, submit_many, submit_or_get
 from .domain.flows import Flow, Step
 from .jobs import define_limit, schedule_job
@@ -20,6 +20,7 @@ __all__ = [
     "schedule_job",
     "submit",
     "submit_flow",
+    "submit_flow_or_get",
     "submit_many",
     "submit_or_get",
 ]

@@ -1,5 +1,6 @@
-"""Create the demo superuser (random password, printed), the demo job definitions and the
-README's coupon campaign (``winter``)."""
+"""Create the demo superuser (random password, printed), the demo job definitions, the
+README's coupon campaign (``winter``), and one order whose flow is compensated (its coupon
+campaign, ``spring``, is sold out): the admin's Flows page shows it refunded and released."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
+from taskplatform import submit_flow
 from taskplatform.jobs import define_job
 from taskplatform.models import JobDefinition
-from tasks.models import Campaign
+from tasks.models import Campaign, StockItem
+from tasks.tasks import ORDER_FLOW
 
 
 class Command(BaseCommand):
@@ -48,4 +51,13 @@ class Command(BaseCommand):
         # on a fresh ``make run``.
         Campaign.objects.get_or_create(slug="winter", defaults={"name": "Winter sale (demo)", "stock": 100})
         call_command("setup_reference_jobs", stdout=self.stdout)
+        # An order that cannot get its coupon: the flow refunds the payment and releases the stock.
+        StockItem.objects.get_or_create(sku="demo-widget", defaults={"quantity": 100})
+        Campaign.objects.get_or_create(slug="spring", defaults={"name": "Spring sale (sold out, demo)", "stock": 0})
+        admin = user_model.objects.get(username="admin")
+        run = submit_flow(ORDER_FLOW, key="order:DEMO-1", input={
+            "order": "DEMO-1", "sku": "demo-widget", "quantity": 1, "amount_cents": 1999, "campaign": "spring",
+            "user_id": admin.pk,
+        })  # fmt: skip
+        self.stdout.write(f"demo order flow: {run} (compensated once the worker has run it)")
         self.stdout.write(credentials.read_text() if credentials.exists() else "admin user exists\n")

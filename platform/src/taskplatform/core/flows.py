@@ -40,7 +40,8 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from ..domain.flows import Flow, Step, registered
+from ..domain.flows import Flow, Step
+from ..domain.flows import registered as _declared
 from ..domain.states import State
 from ..exceptions import IdempotencyKeyConflictError, InvalidArgumentsError
 from ..models import Execution, FlowRun, FlowState, Trigger
@@ -65,6 +66,18 @@ def undo_key(run: FlowRun, index: int, step: Step) -> str:
     return f"flow:{run.pk}:{index}:{step.name}:undo"
 
 
+def registered(name: str) -> Flow | None:
+    """The flow declared under ``name``, importing the project's task modules first if this
+    process has not (a web process, a beat): flows are declared beside their tasks."""
+    flow = _declared(name)
+    if flow is None:
+        from celery import current_app
+
+        current_app.loader.import_default_modules()
+        flow = _declared(name)
+    return flow
+
+
 def flow_keys(run: FlowRun) -> list[str]:
     """The keys of every step and compensation ``run`` may have (its flow declared)."""
     flow = registered(run.flow)
@@ -79,6 +92,13 @@ def submit_flow(
     """Start ``flow`` under ``key`` (its first step is submitted in the same transaction), or
     return the run that key already names. The same key with another flow or other input is
     refused (``IdempotencyKeyConflictError``); input must be a JSON object."""
+    return submit_flow_or_get(flow, key=key, input=input, on_commit=on_commit)[0]
+
+
+def submit_flow_or_get(
+    flow: Flow | str, *, key: str, input: Mapping[str, Any] | None = None, on_commit: bool = True
+) -> tuple[FlowRun, bool]:
+    """``submit_flow``, also saying whether this call started the run (False: the key existed)."""
     declared = registered(flow) if isinstance(flow, str) else flow
     if declared is None:
         raise InvalidArgumentsError(f"no flow named {flow!r} is declared (is its module imported?)")
@@ -96,11 +116,11 @@ def submit_flow(
                     f"flow key {checked!r} already names run {run.pk} of flow {run.flow!r} with other input",
                     flow_run=run.pk,
                 )
-            return run
+            return run, False
         _decide(run, declared, on_commit=on_commit)
         run.save()
     log.info("flow started", extra={"flow": declared.name, "flow_run": run.pk, "flow_key": checked})
-    return run
+    return run, True
 
 
 def advance(run_id: int | None, *, on_commit: bool = True) -> FlowRun | None:
