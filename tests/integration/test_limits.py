@@ -160,3 +160,40 @@ def test_a_body_longer_than_its_lease_keeps_its_slot(workers, poll):
     poll(lambda: all_succeeded("long", 2), timeout=120, interval=0.5, what="both long bodies succeeded")
     spans = list(Span.objects.values_list("started", "ended"))
     assert len(spans) == 2 and max_overlap(spans) == 1, spans
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slot_keeper_whose_database_connection_was_cut_keeps_the_slot(settings):
+    """Review of the limits: the slot keeper kept a connection the server had closed, every
+    later renewal failed, and the slot ran out under a running body (N+1 ran). The test cuts
+    the keeper's connection (every session of the test database but its own), then checks for
+    three TTLs that nobody else can take the slot."""
+    from django.db import connection
+
+    from taskplatform.backends import get_lock_backend
+
+    settings.TASKPLATFORM_LOCK_URL = "db://"
+    backend = get_lock_backend()
+    names = ["limit:0:running:0"]
+    lease = backend.acquire_any(names, 3, identity="holder")
+    assert lease is not None
+    rule = limits.Rule(0, "task:x", "x", None, 1, None, 1, "default")
+    held = limits.Held([(rule, backend, lease)])
+    limits.slot_keeper().hold(held)
+    first = backend.inspect(names[0]).renewed_at
+    poll_until = time.monotonic() + 10
+    while backend.inspect(names[0]).renewed_at == first:  # the keeper has renewed once: it has a connection
+        assert time.monotonic() < poll_until, "no renewal within 10 s"
+        time.sleep(0.1)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    try:
+        deadline = time.monotonic() + 9
+        while time.monotonic() < deadline:
+            assert backend.acquire_any(names, 3, identity="thief") is None, "the slot ran out under its holder"
+            time.sleep(0.2)  # observing for three TTLs, not waiting for an event
+    finally:
+        limits.release(held, worker="test")

@@ -86,3 +86,74 @@ def test_a_configuration_where_nothing_runs_the_rescuer_is_warned_about() -> Non
         assert check_maintenance() == []
     with override_settings(TASKPLATFORM_WORKER_MAINTENANCE=True):
         assert check_maintenance() == []
+
+
+# --- found by the review of issue 14: a rescuer that never comes back -------------------------------
+
+
+def test_a_candidate_whose_database_connection_was_cut_gets_the_lease_back():
+    """The database lock backend uses the maintenance thread's own connection. Once the server
+    closed it (a restart, a failover, ``pg_terminate_backend``), every later look failed with
+    "the connection is closed" and no process took the duties again."""
+    import psycopg
+    from django.db import connection
+
+    from taskplatform.conf import platform_settings
+    from taskplatform.scheduling.maintenance import MaintenanceLease
+
+    conf = platform_settings()
+    holder_lease, candidate = MaintenanceLease(conf, "holder"), MaintenanceLease(conf, "candidate")
+    assert holder_lease.holds() and not candidate.holds()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    settings_dict = connection.settings_dict
+    with psycopg.connect(host=settings_dict["HOST"], port=settings_dict["PORT"] or 5432,
+                         user=settings_dict["USER"], dbname=settings_dict["NAME"], autocommit=True) as other:  # fmt: skip
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+    candidate._checked = float("-inf")
+    assert not candidate.holds()  # the dead connection fails this look
+    holder_lease.lease = None  # the holder is gone; its lease is freed at once here
+    get_lock_backend().force_release(MAINTENANCE_LOCK)
+    candidate._checked = float("-inf")
+    assert candidate.holds(), "the next look must work on a fresh connection"
+    candidate.release()
+
+
+def test_the_maintenance_thread_outlives_an_error_in_its_look():
+    """A misnamed lock alias raised in ``holds()``, outside the loop's ``try``: the thread died
+    one second after the worker started and the fleet had no rescuer."""
+    from taskplatform.conf import platform_settings
+    from taskplatform.scheduling.maintenance import Maintenance
+
+    calls: list[int] = []
+
+    def leading() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the first look fails")
+        return False
+
+    with override_settings(TASKPLATFORM_RESCUE_INTERVAL_SECONDS=1):
+        thread = Maintenance(platform_settings(), is_leading=leading)
+        thread.start()
+        try:
+            wait_for(lambda: len(calls) >= 3, timeout=10, what="three looks")
+            assert thread.is_alive()
+        finally:
+            thread.stop()
+
+
+def test_two_deployments_on_one_lock_server_each_have_their_own_maintenance_lease():
+    from taskplatform.conf import platform_settings
+    from taskplatform.scheduling.maintenance import MaintenanceLease, maintenance_lock_name
+
+    first = MaintenanceLease(platform_settings(), "shop")
+    assert first.holds() and maintenance_lock_name(platform_settings()) == MAINTENANCE_LOCK
+    with override_settings(TASKPLATFORM_BEAT_LOCK_NAME="billing.beat"):
+        conf = platform_settings()
+        assert maintenance_lock_name(conf) == "billing.beat:maintenance"
+        second = MaintenanceLease(conf, "billing")
+        assert second.holds(), "another deployment's rescuer runs too"
+        second.release()
+    first.release()

@@ -103,6 +103,9 @@ def test_values_that_worked_before_the_checks_still_work():
         ("TASKPLATFORM_RETENTION_DAYS", -1, "must be 0 or more"),
         ("TASKPLATFORM_BEAT_TICK_SECONDS", 0, "must be above 0"),
         ("TASKPLATFORM_LOG_FORMAT", "xml", "must be one of 'plain', 'json'"),
+        ("TASKPLATFORM_BEAT_TICK_SECONDS", float("nan"), "must be a finite number"),
+        ("TASKPLATFORM_BEAT_LEASE_SECONDS", float("inf"), "must be a finite number"),
+        ("TASKPLATFORM_MAX_KEY_LENGTH", 1000, "must be at most 255"),
     ],
 )
 def test_a_value_of_the_wrong_type_or_range_is_a_check_error_not_a_traceback(setting, value, fragment):
@@ -223,3 +226,13 @@ def test_tracing_without_its_packages_is_an_error_naming_them():
         messages = check_tracing()
     assert ids(messages) == {"taskplatform.E050"}
     assert "opentelemetry.exporter.otlp.proto.http" in messages[0].msg
+
+
+def test_a_beat_lock_alias_that_names_no_backend_is_an_error():
+    """The beat's alias also holds the maintenance lease, in workers too: a misnamed one would
+    leave the fleet without a rescuer, and ``check`` must say so (review of issue 14)."""
+    from taskplatform.checks import check_lock_backends
+
+    with override_settings(TASKPLATFORM_BEAT_LOCK_ALIAS="locks"):
+        errors = [m for m in check_lock_backends() if m.id == "taskplatform.E020"]
+    assert len(errors) == 1 and "'locks'" in errors[0].msg, errors

@@ -161,7 +161,8 @@ def check_lock_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
     """Every configured lock backend imports, builds and accepts its options."""
     if not _valid_settings():
         return []
-    aliases = set(platform_settings().lock_backends or {}) | {"default"}
+    # The beat's alias too: it also holds the maintenance lease (the rescuer), in workers as well.
+    aliases = set(platform_settings().lock_backends or {}) | {"default", platform_settings().beat_lock_alias}
     errors: list[CheckMessage] = []
     for alias in sorted(aliases):
         try:

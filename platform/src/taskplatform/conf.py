@@ -8,6 +8,7 @@ never ``getattr(settings, ...)`` ad hoc.
 from __future__ import annotations
 
 import difflib
+import math
 import inspect
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -178,10 +179,18 @@ def _type_problem(name: str, value: Any) -> str | None:
         return f"{key} must be {_TYPE_NAMES.get(expected, 'a dict')}, not {value!r} ({type(value).__name__})"
     if name in _CHOICES and value not in _CHOICES[name]:
         return f"{key} must be one of {', '.join(map(repr, _CHOICES[name]))}, not {value!r}"
+    if expected is float and not math.isfinite(value):
+        return f"{key} must be a finite number, not {value!r}"
     if expected in (int, float) and (value < 0 or (value == 0 and name in _POSITIVE)):
         bound = "above 0" if name in _POSITIVE else "0 or more"
         return f"{key} must be {bound}, not {value!r}"
+    if name in _MAXIMA and value > _MAXIMA[name][0]:
+        return f"{key} must be at most {_MAXIMA[name][0]} ({_MAXIMA[name][1]}), not {value!r}"
     return None
+
+
+#: Upper bounds, with why.
+_MAXIMA = {"max_key_length": (255, "the idempotency key column holds 255 characters")}
 
 
 _TYPE_NAMES = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}

@@ -32,8 +32,17 @@ log = logging.getLogger("taskplatform.beat")
 
 #: Executions deleted per pruning transaction.
 PRUNE_BATCH = 1000
-#: The lease whose holder runs the maintenance duties.
+#: The lease whose holder runs the maintenance duties (for the default beat lock name).
 MAINTENANCE_LOCK = "taskplatform.maintenance"
+
+
+def maintenance_lock_name(conf: PlatformSettings) -> str:
+    """The maintenance lease of this deployment: one per ``TASKPLATFORM_BEAT_LOCK_NAME``, so two
+    deployments that share a lock server (each with its own database) each have a rescuer. The
+    default keeps the name earlier releases used."""
+    if conf.beat_lock_name == "taskplatform.beat":
+        return MAINTENANCE_LOCK
+    return f"{conf.beat_lock_name}:maintenance"
 
 
 class MaintenanceLease:
@@ -56,17 +65,20 @@ class MaintenanceLease:
         period = self.ttl / 3 if self.lease is not None else float(self.conf.rescue_interval_seconds)
         if now - self._checked >= period:
             self._checked = now
-            backend = get_lock_backend(self.conf.beat_lock_alias)
             try:
+                backend = get_lock_backend(self.conf.beat_lock_alias)
                 if self.lease is not None:
                     self.lease = backend.renew(self.lease, self.ttl)
                 if self.lease is None:
-                    self.lease = backend.acquire(MAINTENANCE_LOCK, self.ttl, identity=self.identity)
+                    self.lease = backend.acquire(maintenance_lock_name(self.conf), self.ttl, identity=self.identity)
                     if self.lease is not None:
                         log.info("%s runs the maintenance duties (rescuer, pruning)", self.identity)
             except Exception:  # an unreachable lock server: not the holder until it answers
                 log.warning("maintenance lease: the lock backend did not answer", exc_info=True)
                 self.lease = None
+                # The database lock backend uses this thread's connection: one the server closed
+                # (a restart, a failover, pg_terminate_backend) would fail every later try.
+                connections.close_all()
         return self.lease is not None and self.lease.remaining() > 0
 
     def release(self) -> None:
@@ -101,7 +113,13 @@ class Maintenance(threading.Thread):
         next_count = time.monotonic()
         next_prune = time.monotonic() + min(60.0, self.conf.prune_interval_seconds)
         while not self._stop_event.wait(min(1.0, self.conf.rescue_interval_seconds)):
-            if not self.is_leading():
+            try:
+                close_old_connections()
+                if not self.is_leading():
+                    continue
+            except Exception:  # this thread must outlive any error: it is the fleet's rescuer
+                log.exception("maintenance: could not tell whether this process holds the duties")
+                connections.close_all()
                 continue
             now = time.monotonic()
             try:

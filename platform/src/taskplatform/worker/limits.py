@@ -284,6 +284,20 @@ class SlotKeeper:
             self._held.pop(held, None)
 
     def _run(self) -> None:
+        """The renewal loop, restarted after anything it lets through: if this thread died, the
+        slots of running bodies would run out under them and others would take them."""
+        while True:
+            try:
+                self._loop()
+            except BaseException:
+                try:
+                    log.exception("the slot keeper failed; restarting it")
+                    _close_connection()
+                except BaseException:
+                    pass
+                time.sleep(RETRY_SECONDS)  # back off, not synchronisation
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 now = time.monotonic()
@@ -297,11 +311,17 @@ class SlotKeeper:
 
     def _renew(self, held: Held) -> None:
         renewed: list[tuple[Rule, LockBackend, Lease]] = []
+        failed = False
         for rule, backend, lease in held.leases:
             try:
                 new = backend.renew(lease)
             except Exception:
+                # Retried in a second on a fresh connection (the database backend uses this
+                # thread's: one the server closed would fail every later renewal), as long as
+                # the slot may still be ours.
                 log.warning("renewing a limit's slot failed; retrying", exc_info=True, extra={"limit": rule.scope})
+                _close_connection()
+                failed = True
                 new = lease if lease.remaining() > 0 else None
             if new is None:
                 if held.released:
@@ -318,9 +338,23 @@ class SlotKeeper:
             held.leases = renewed
             if renewed:
                 ttl = min(lease.ttl_seconds for _r, _b, lease in renewed)
-                self._held[held] = time.monotonic() + max(0.5, ttl / 3)
+                period = max(0.5, ttl / 3)
+                self._held[held] = time.monotonic() + (min(RETRY_SECONDS, period) if failed else period)
             else:
                 self._held.pop(held, None)
+
+
+#: Delay before a failed slot renewal is tried again, in seconds (capped by a third of the TTL).
+RETRY_SECONDS = 1.0
+
+
+def _close_connection() -> None:
+    from django.db import connection
+
+    try:
+        connection.close()
+    except Exception:
+        log.debug("closing the slot keeper's connection failed", exc_info=True)
 
 
 _keeper: SlotKeeper | None = None
