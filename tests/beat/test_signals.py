@@ -34,12 +34,15 @@ def stacks(pid: int) -> str:
 def test_a_leading_beat_given_sigint_and_sigterm_together_exits_and_releases_its_lease(beats):
     for round_ in range(3):
         beat = beats.start()
-        wait_for(lambda: " leads (lease" in beat.log(), timeout=60, what=f"round {round_}: the beat leads")
+        wait_for(lambda b=beat: " leads (lease" in b.log(), timeout=60, what=f"round {round_}: the beat leads")
         os.kill(beat.pid, signal.SIGINT)
         time.sleep(0.02)  # the fault itself: a second signal 20 ms after the first (not synchronisation)
         os.kill(beat.pid, signal.SIGTERM)
         try:
             beat.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"round {round_}: the beat hung after SIGINT + SIGTERM:\n{beat.log()[-3000:]}\n{stacks(beat.pid)}")
-        assert "released the lease" in beat.log(), f"round {round_}:\n{beat.log()[-3000:]}\n{beats.err(beat)[-3000:]}"
+            pytest.fail(
+                f"round {round_}: the beat hung after SIGINT + SIGTERM:\n{beat.log()[-3000:]}\n{stacks(beat.pid)}"
+            )
+        log = beat.log()
+        assert "released the lease" in log, f"round {round_}:\n{log[-3000:]}\n{beats.err(beat)[-3000:]}"

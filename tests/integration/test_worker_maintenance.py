@@ -108,8 +108,8 @@ def test_a_candidate_whose_database_connection_was_cut_gets_the_lease_back():
         cursor.execute("SELECT pg_backend_pid()")
         pid = cursor.fetchone()[0]
     settings_dict = connection.settings_dict
-    with psycopg.connect(host=settings_dict["HOST"], port=settings_dict["PORT"] or 5432,
-                         user=settings_dict["USER"], dbname=settings_dict["NAME"], autocommit=True) as other:  # fmt: skip
+    params = {"host": settings_dict["HOST"], "port": settings_dict["PORT"] or 5432, "user": settings_dict["USER"]}
+    with psycopg.connect(**params, dbname=settings_dict["NAME"], autocommit=True) as other:
         other.execute("SELECT pg_terminate_backend(%s)", [pid])
     candidate._checked = float("-inf")
     assert not candidate.holds()  # the dead connection fails this look

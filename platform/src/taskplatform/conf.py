@@ -8,8 +8,8 @@ never ``getattr(settings, ...)`` ad hoc.
 from __future__ import annotations
 
 import difflib
-import math
 import inspect
+import math
 import re
 from dataclasses import MISSING, dataclass, field, fields
 from functools import cache

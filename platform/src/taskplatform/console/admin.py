@@ -648,8 +648,9 @@ class LockAdmin(admin.ModelAdmin):
         aliases = sorted(set(aliases) | {limit.backend for limit in all_limits})
         slots: dict[str, list[Any]] = {}
         for alias in aliases:
-            entry: dict[str, Any] = {"alias": alias, "backend": backend_config(alias)["BACKEND"], "locks": []}
+            entry: dict[str, Any] = {"alias": alias, "backend": "?", "locks": []}
             try:
+                entry["backend"] = backend_config(alias)["BACKEND"]
                 backend = get_lock_backend(alias)
                 infos = {info.name: info for info in backend.locks()}
                 if alias == conf.beat_lock_alias and conf.beat_lock_name not in infos:

@@ -381,4 +381,13 @@ class LimitForm(forms.ModelForm):
         for name, message in limit_errors(probe).items():
             if name not in self.errors:
                 self.add_error(name, message)
+        job = cleaned.get("job")
+        probe.job = job
+        scope = probe.derive_scope()
+        if (cleaned.get("task_name") or job) and Limit.objects.filter(scope=scope).exclude(
+            pk=self.instance.pk
+        ).exists():
+            # ``scope`` is not a form field, so Django's form would not check its uniqueness: the
+            # save would fail with an IntegrityError (a 500).
+            self.add_error("job" if job else "task_name", f"{scope} has a limit already: edit that one")
         return cleaned

@@ -750,6 +750,7 @@ def wait_for_limit(
             "publish_count": 1 if on_broker else 0,
             "celery_task_id": task_id,
             "lease_expires_at": None,
+            "scheduled_for": None,  # for a waiting row: when it was last woken (none yet)
             "updated_at": now,
         }
         if not _cas(execution, State.RUNNING, token, **changes):
@@ -772,12 +773,19 @@ def wait_for_limit(
     return True
 
 
+#: A woken row whose new message has not claimed it after this long may be woken again (its
+#: message may have been lost); before that, wakes go to the next waiter.
+WOKEN_GRACE = timedelta(seconds=30)
+
+
 def wake_waiter(*, task_name: str | None = None, job_id: int | None = None, actor: str, reason: str) -> bool:
     """Publish the longest-waiting ``WAITING`` execution of a task (or of a job) now: a slot
     of its limit has just freed. Its new message supersedes the one it had (see ``claim``).
-    False if nothing waits (or every candidate moved meanwhile)."""
+    A row already woken whose message is on its way is passed over (``scheduled_for`` holds
+    when a waiting row was woken): two slots freed together wake two waiters, and one row does
+    not collect a message per release. False if nothing waits (or every candidate moved)."""
     now = timezone.now()
-    for execution in _waiters(task_name, job_id):
+    for execution in _waiters(task_name, job_id, now - WOKEN_GRACE):
         count = execution.publish_count + 1
         task_id = new_task_id()
         with transaction.atomic():
@@ -789,6 +797,7 @@ def wake_waiter(*, task_name: str | None = None, job_id: int | None = None, acto
                 publish_count=count,
                 celery_task_id=task_id,
                 due_at=_db_now(republish_interval(count)),
+                scheduled_for=now,
                 updated_at=now,
             ):
                 continue
@@ -808,22 +817,38 @@ def wake_waiter(*, task_name: str | None = None, job_id: int | None = None, acto
     return False
 
 
-def _waiters(task_name: str | None, job_id: int | None) -> list[Execution]:
-    """The first few ``WAITING`` rows of a scope, oldest first. Run after every limited body,
-    and nearly always finding none: one fixed statement (the ORM's compilation cost several
-    times the query's own time), served by the ``(state, due_at)`` index."""
+def _waiters(task_name: str | None, job_id: int | None, woken_before: datetime) -> list[Execution]:
+    """The first few ``WAITING`` rows of a scope not woken since ``woken_before``, oldest first.
+    Run after every limited body, and nearly always finding none: one fixed statement (the
+    ORM's compilation cost several times the query's own time) with the state as a literal, so
+    PostgreSQL and SQLite use the partial indexes over waiting rows (migration 0010)."""
     qn = connection.ops.quote_name
     column, value = ("job_id", job_id) if job_id is not None else ("task_name", task_name)
     fields = ("id", "fencing_token", "publish_count", "celery_task_id")
     sql = (
         f"SELECT {', '.join(map(qn, fields))} FROM {qn(Execution._meta.db_table)} "
-        f"WHERE {qn('state')} = %s AND {qn(column)} = %s ORDER BY {qn('id')} LIMIT 3"
+        f"WHERE {qn('state')} = 'WAITING' AND {qn(column)} = %s "
+        f"AND ({qn('scheduled_for')} IS NULL OR {qn('scheduled_for')} < %s) ORDER BY {qn('id')} LIMIT 3"
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [State.WAITING.value, value])
+        cursor.execute(sql, [value, woken_before])
         rows = cursor.fetchall()
     return [Execution(pk=pk, fencing_token=token, publish_count=count, celery_task_id=task_id, state=State.WAITING,
                       task_name=task_name or "", job_id=job_id) for pk, token, count, task_id in rows]  # fmt: skip
+
+
+def count_waiting(*, task_name: str | None = None, job_id: int | None = None, cap: int = 10_000) -> int:
+    """How many executions of a task (or of a job) wait, counted up to ``cap`` (the partial
+    indexes over waiting rows make it cheap; a larger backlog reads as ``cap``)."""
+    qn = connection.ops.quote_name
+    column, value = ("job_id", job_id) if job_id is not None else ("task_name", task_name)
+    sql = (
+        f"SELECT COUNT(*) FROM (SELECT 1 FROM {qn(Execution._meta.db_table)} "
+        f"WHERE {qn('state')} = 'WAITING' AND {qn(column)} = %s LIMIT {int(cap)}) AS waiting"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [value])
+        return int(cursor.fetchone()[0])
 
 
 def dead_letter(execution: Execution, token: int, *, error: str, traceback: str, worker: str) -> bool:

@@ -49,6 +49,10 @@ log = logging.getLogger("taskplatform.limits")
 #: window apart by the backend's clock can be a little less apart as the bodies see them.
 RATE_MARGIN_SECONDS = 0.05
 
+#: Longest backstop of a concurrency wait, in seconds: a wake can be lost (its holder died
+#: between the body and the release, or the slot freed just before the wait was written).
+CONCURRENCY_BACKSTOP_SECONDS = 15.0
+
 #: Delay before a wait is tried again when the lock backend could not be reached, in seconds.
 BACKEND_DOWN_WAIT_SECONDS = 5.0
 
@@ -174,15 +178,17 @@ def acquire(applicable: Sequence[Rule], execution: Execution, *, lease_seconds: 
                     refusal = _full(rule, "rate", execution, lease_seconds)
                     break
                 started.append((backend, lease))
-        except LockError:
+        except Exception as exc:  # fails closed: an unreachable backend, a removed alias, a refused TTL
             log.error(
-                "the lock backend of a fleet-wide limit is unreachable; the execution waits",
+                "the slots of a fleet-wide limit could not be counted; the execution waits",
                 exc_info=True,
                 extra={"execution_id": execution.pk, "limit": rule.scope},
             )
-            refusal = Refusal(
-                rule, "unavailable", BACKEND_DOWN_WAIT_SECONDS, f"limit {rule.scope}: lock backend unreachable"
-            )
+            # Backs off with the execution's publications (each wait is one), with jitter: a
+            # backlog must not cycle through claims every few seconds while the backend is down.
+            backoff = min(float(lease_seconds), BACKEND_DOWN_WAIT_SECONDS * 2 ** min(execution.publish_count, 6))
+            why = "lock backend unreachable" if isinstance(exc, LockError) else f"{type(exc).__name__}: {exc}"
+            refusal = Refusal(rule, "unavailable", backoff * random.uniform(0.5, 1.0), f"limit {rule.scope}: {why}")
             break
     if refusal is None:
         if held.leases:
@@ -200,7 +206,7 @@ def _full(rule: Rule, kind: str, execution: Execution, lease_seconds: int) -> Re
     if kind == "concurrency":
         # Woken by the next holder to finish; the delay only covers holders that die (their
         # slot frees when their lease runs out) and wakes that were lost.
-        delay = lease_seconds * random.uniform(1.0, 1.5)
+        delay = min(float(lease_seconds), CONCURRENCY_BACKSTOP_SECONDS) * random.uniform(1.0, 1.5)
         return Refusal(rule, kind, delay, f"concurrency limit of {rule.scope} reached: {rule.concurrency} running")
     waiting = waiting_count(rule)
     drain = rule.per_seconds * max(1.0, (waiting + 1) / max(1, rule.rate or 1))
@@ -211,10 +217,10 @@ def _full(rule: Rule, kind: str, execution: Execution, lease_seconds: int) -> Re
 
 
 def waiting_count(rule: Rule) -> int:
-    """How many executions wait on ``rule`` now (for spreading a rate limit's waits)."""
-    rows = Execution.objects.filter(state="WAITING")
-    rows = rows.filter(job_id=rule.job_id) if rule.job_id is not None else rows.filter(task_name=rule.task_name)
-    return rows.count()
+    """How many executions wait on ``rule``'s scope now (for spreading a rate limit's waits)."""
+    if rule.job_id is not None:
+        return ledger.count_waiting(job_id=rule.job_id)
+    return ledger.count_waiting(task_name=rule.task_name)
 
 
 def wait(execution: Execution, token: int, refusal: Refusal, *, worker: str) -> bool:

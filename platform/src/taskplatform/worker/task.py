@@ -24,7 +24,7 @@ import sys
 import time
 import traceback as tb_module
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from celery import Task
 from celery.canvas import Signature
@@ -336,7 +336,7 @@ class IdempotentTask(Task):
                 span.record_exception(exc.exc or exc)
                 raise
             except Ignore:
-                span.set_attribute("taskplatform.outcome", "succeeded (Ignore)")
+                span.set_attribute("taskplatform.outcome", getattr(request, "tp_outcome", None) or "succeeded (Ignore)")
                 raise
             except Reject:
                 span.set_attribute("taskplatform.outcome", "requeued")
@@ -564,7 +564,7 @@ class IdempotentTask(Task):
 
     def _wait_for_limit(
         self, request: Any, execution: Execution, token: int, refusal: limits.Refusal, worker: str
-    ) -> None:
+    ) -> NoReturn:
         """The claim found a fleet-wide limit full: give it back; the execution waits in the
         ledger and is published again when a slot frees (``worker/limits.py``)."""
         if _retry_db(lambda: limits.wait(execution, token, refusal, worker=worker)):
@@ -577,6 +577,11 @@ class IdempotentTask(Task):
         else:
             ledger.record_stale_write(execution.pk, token, worker=worker, what="wait_for_limit")
             request.tp_outcome = "stale: another attempt owns the execution"
+        # Not a return: Celery would take the delivery for a success and run its callbacks, the
+        # rest of its chain, its chord's body, with None, before the body has run. ``Ignore``
+        # ends the delivery with none of that (a limited task does not compose with canvas:
+        # its result is the ledger's, read from the execution).
+        raise Ignore("waiting for a slot of a fleet-wide limit")
 
     def on_replace(self, sig: Any) -> Any:
         """``self.replace(sig)``: the replacement goes through the ledger when it can.
