@@ -157,6 +157,7 @@ def test_arguments_by_position_or_by_name_are_one_call_and_a_keyless_key_is_refu
     first = receipt.enqueue("H-1", 10)
     assert receipt.enqueue(order="H-1", amount=10).id == first.id
     assert receipt.enqueue("H-1", amount=10).id == first.id
+    assert receipt.enqueue("H-1").id == first.id, "a default given or left out is one call (review of issue 14)"
     with pytest.raises(TypeError):
         receipt.enqueue("H-2", 10, 11)  # more than the function takes: nothing recorded
     with pytest.raises(InvalidIdempotencyKeyError, match="returned None"):

@@ -169,6 +169,56 @@ def test_duplicate_advances_and_duplicate_messages_run_nothing_twice(workers, po
     assert run_of(order).state == FlowState.COMPENSATED
 
 
+@pytest.mark.parametrize("fail_at", ["", "c"])
+def test_every_message_delivered_twice_while_the_flow_runs_runs_nothing_twice(workers, poll, fail_at):
+    """Duplicate delivery of every message: each step's and compensation's message is published
+    a second time (the same task id) as soon as its row appears, while the first is queued or
+    running. Each forward effect and each compensation still happens exactly once."""
+    import threading
+
+    from django.db import connection
+
+    workers.start(concurrency=4)
+    order = new_order()
+    run = start(order, fail_at=fail_at)
+    final = FlowState.COMPENSATED if fail_at else FlowState.SUCCEEDED
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def duplicate() -> None:
+        try:
+            while not stop.is_set():
+                for execution in Execution.objects.filter(flow_id=run.pk).exclude(pk__in=seen):
+                    if execution.celery_task_id:
+                        publish(execution, task_id=execution.celery_task_id)
+                        seen.add(execution.pk)
+                stop.wait(0.02)  # the duplicator's own pace, not synchronisation
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=duplicate, daemon=True)
+    thread.start()
+    try:
+        poll(finished(order, final), timeout=60, what=f"the flow {final.lower()}")
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    expected = ["a", "b", "b:undo", "a:undo"] if fail_at else ["a", "b", "c"]
+    assert effects(order) == expected
+    assert len(seen) == len(expected) + (1 if fail_at else 0), "every message was duplicated"
+    poll(
+        lambda: (
+            Execution.objects.filter(flow_id=run.pk, events__kind__in=("already_finished", "duplicate_delivery"))
+            .distinct()
+            .count()
+            == len(seen)
+        ),
+        timeout=60,
+        what="every duplicate absorbed",
+    )
+    assert effects(order) == expected
+
+
 def test_the_rescuer_moves_a_flow_on_when_its_worker_died_before_advancing(transactional_db):
     """The backstop: a step finished but nobody advanced (the worker died in between)."""
     from datetime import timedelta

@@ -355,8 +355,8 @@ def _count(key: str, phase: str = "started") -> None:
     EffectRaw.objects.create(key=key, phase=phase, pid=os.getpid())
 
 
-@django_task(key=lambda order, amount: f"receipt:{order}")
-def receipt(order: str, amount: int) -> dict[str, Any]:
+@django_task(key=lambda order, amount=10: f"receipt:{order}")
+def receipt(order: str, amount: int = 10) -> dict[str, Any]:
     """Keyed by the order: the same order enqueued twice is one execution."""
     _count(f"receipt:{order}")
     Effect.objects.create(key=f"receipt:{order}")

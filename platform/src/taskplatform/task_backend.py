@@ -221,13 +221,15 @@ def worker_modules() -> set[str]:
 
 
 def _normalised(task: LedgerTask, args: Any, kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
-    """The arguments bound to the function's signature: ``f("A-1", 4200)`` and
-    ``f(order_id="A-1", amount=4200)`` are one call (one key, not a conflict); arguments the
+    """The arguments bound to the function's signature, defaults filled in: ``f("A-1", 4200)``,
+    ``f(order_id="A-1", amount=4200)`` and, with a default of 4200, ``f("A-1")`` are one call
+    (one key, not a conflict); arguments the
     function does not take raise ``TypeError`` before anything is recorded."""
     signature = inspect.signature(task.func)
     if task.takes_context:
         signature = signature.replace(parameters=list(signature.parameters.values())[1:])
     bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()  # ``f("A-1")`` and ``f("A-1", 100)`` with ``amount=100`` are one call too
     return list(bound.args), dict(bound.kwargs)
 
 
