@@ -69,6 +69,12 @@ def apply(action_name: str, expected: dict[int, str], *, user: str, reason: str,
     outcome = Outcome()
     for execution_id, seen_as in expected.items():
         seen, _, token = seen_as.partition(":")
+        if action.target == State.PENDING:
+            row = Execution.objects.filter(pk=execution_id).first()
+            refusal = flows.operator_may_requeue(row) if row is not None else None
+            if refusal is not None:
+                outcome.refused[execution_id] = refusal
+                continue
         try:
             execution = ledger.operator_transition(
                 execution_id, action.target, user=user, reason=reason.strip(), expected_state=seen,

@@ -135,6 +135,7 @@ def advance(run_id: int | None, *, on_commit: bool = True) -> FlowRun | None:
         flow = registered(run.flow)
         if flow is None:
             log.error("flow run of an undeclared flow: not advanced", extra={"flow": run.flow, "flow_run": run.pk})
+            run.error = f"no flow named {run.flow!r} is declared in the project's task modules: not advanced"
             run.check_at = _later(STUCK_CHECK_SECONDS)
         else:
             _decide(run, flow, on_commit=on_commit)
@@ -143,12 +144,28 @@ def advance(run_id: int | None, *, on_commit: bool = True) -> FlowRun | None:
 
 
 def advance_quietly(run_id: int | None) -> None:
-    """``advance`` for a caller whose own work is done (a worker after an attempt): an error is
-    logged, and the rescuer's look at ``check_at`` moves the run on instead."""
+    """``advance`` for a caller whose own work is done (a worker after an attempt, the rescuer):
+    an error is logged and written on the run, whose next look is put off (doubling, up to an
+    hour), so a run that cannot move (a kwargs builder that raises, a task renamed) neither
+    hides its reason nor keeps the rescuer's batch from the other runs."""
+    if run_id is None:
+        return
     try:
         advance(run_id)
-    except Exception:
-        log.warning("could not advance the flow; the rescuer will", exc_info=True, extra={"flow_run": run_id})
+    except Exception as exc:
+        log.warning("could not advance the flow; it is looked at again later", exc_info=True,
+                    extra={"flow_run": run_id})  # fmt: skip
+        try:
+            run = FlowRun.objects.filter(pk=run_id).first()
+            if run is not None:
+                waited = (timezone.now() - run.updated_at).total_seconds()
+                pause = int(min(STUCK_CHECK_SECONDS, max(CHECK_SECONDS, 2 * waited)))
+                FlowRun.objects.filter(pk=run_id).update(
+                    error=f"the flow could not move on: {type(exc).__name__}: {exc}"[:2000],
+                    check_at=_later(pause),
+                )
+        except Exception:
+            log.warning("could not record why the flow is stuck", exc_info=True, extra={"flow_run": run_id})
 
 
 def advance_due(*, batch: int = 200) -> int:
@@ -266,3 +283,24 @@ def parts(run: FlowRun) -> list[dict[str, Any]]:
             rows.append({"name": step.name, "kind": "compensation", "task": step.compensate_name,
                          "execution": found.get(undo_key(run, i, step))})  # fmt: skip
     return rows
+
+
+def operator_may_requeue(execution: Execution) -> str | None:
+    """Why an operator may not put ``execution`` (a flow's step or compensation) back to
+    pending, or None. A forward step is retried only while its run still runs forward: once the
+    run compensates, or has ended, its effect would never be undone (review of the flows)."""
+    if execution.flow_id is None:
+        return None
+    run = FlowRun.objects.filter(pk=execution.flow_id).first()
+    if run is None:
+        return None
+    compensation = execution.idempotency_key.endswith(":undo")
+    if compensation and run.state in (FlowState.COMPENSATING, FlowState.FAILED_TO_COMPENSATE):
+        return None
+    if not compensation and run.state == FlowState.RUNNING:
+        return None
+    what = "compensation" if compensation else "step"
+    return (
+        f"this {what} belongs to flow run {run.pk}, which is {run.get_state_display()}: "
+        "running it again now would not be undone"
+    )

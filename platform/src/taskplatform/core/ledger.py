@@ -32,7 +32,7 @@ from django.utils import timezone
 from ..conf import platform_settings
 from ..domain.states import CLAIMABLE_STATES, TERMINAL_STATES, Actor, State, find_transition
 from ..exceptions import ExecutionNotFound, IllegalTransitionError, LedgerError, StaleExecutionError
-from ..models import EventKind, Execution, ExecutionEvent, JobDefinition, UtcNow
+from ..models import EventKind, Execution, ExecutionEvent, FlowRun, FlowState, JobDefinition, UtcNow
 from . import _pg as fastpath
 from .publisher import new_task_id, publish_on_commit
 from .types import Claim, Delivery, NewExecution
@@ -1105,6 +1105,10 @@ def operator_transition(
 PRUNABLE_STATES = (State.SUCCEEDED, State.CANCELLED)
 
 
+#: Flow runs whose step executions may be pruned like any others.
+FINISHED_FLOWS = (FlowState.SUCCEEDED, FlowState.COMPENSATED)
+
+
 def prune(older_than: datetime, *, batch_size: int = 1000) -> int:
     """Delete succeeded and cancelled executions finished before ``older_than``, events included.
 
@@ -1116,6 +1120,9 @@ def prune(older_than: datetime, *, batch_size: int = 1000) -> int:
         ids = list(
             Execution.objects.select_for_update()
             .filter(state__in=PRUNABLE_STATES, finished_at__lt=older_than)
+            # A step of a flow still under way is its run's memory of what ran: without it the
+            # run would submit the step (or its compensation) again (review of the flows).
+            .exclude(flow_id__in=FlowRun.objects.exclude(state__in=FINISHED_FLOWS).values("pk"))
             .order_by("finished_at")
             .values_list("pk", flat=True)[:batch_size]
         )
