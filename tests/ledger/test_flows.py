@@ -192,3 +192,32 @@ def test_a_run_that_cannot_move_says_why_and_does_not_hold_up_the_others():
     stuck = FlowRun.objects.get(pk=run.pk)
     assert "could not move on" in stuck.error and "KeyError" in stuck.error
     assert stuck.check_at > timezone.now() + timedelta(seconds=30), "looked at again later, not at once"
+
+
+def test_the_flow_key_prefix_is_reserved_and_a_foreign_row_is_no_step():
+    """An execution submitted under ``flow:<id>:<i>:<name>`` passed for that step (review)."""
+    from taskplatform import submit, submit_many
+    from taskplatform.exceptions import InvalidIdempotencyKeyError
+
+    run = submit_flow(TEST_FLOW, key="order:f1", input={"order": "f1"})
+    with pytest.raises(InvalidIdempotencyKeyError, match="flows' own"):
+        submit("testapp.effect", idempotency_key=f"flow:{run.pk}:1:b")
+    with pytest.raises(SubmissionError, match="flows' own"):
+        submit_many("testapp.effect", [{"idempotency_key": f"flow:{run.pk}:1:b"}])
+    ledger.create(
+        ledger.NewExecution(idempotency_key=f"flow:{run.pk}:1:b", task_name="testapp.effect", args=[], kwargs={})
+    )
+    succeed(step_row(run, 0, "a"), None)  # b's key is taken by a row of another task
+    assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:2:c").exists(), "c was not reached"
+    assert "could not move on" in FlowRun.objects.get(pk=run.pk).error
+
+
+def test_a_builder_that_changes_its_input_changes_nothing_stored():
+    def greedy(input, results):
+        input["extra"] = 1
+        return {"order": input["order"], "step": "a"}
+
+    flow = Flow("greedy", [Step("a", "testapp.flow_step", kwargs=greedy)])
+    run = submit_flow(flow, key="order:g1", input={"order": "g1"})
+    assert FlowRun.objects.get(pk=run.pk).input == {"order": "g1"}
+    assert submit_flow(flow, key="order:g1", input={"order": "g1"}).pk == run.pk, "the same start again"

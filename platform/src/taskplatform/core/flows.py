@@ -32,6 +32,7 @@ fails (an atomic step rolls back; a non-atomic one must undo its own partial wor
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
@@ -189,14 +190,17 @@ def _later(seconds: int) -> Any:
 
 def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
     """The one next move of ``run`` (locked by the caller), from its executions' states."""
-    found = {e.idempotency_key: e for e in Execution.objects.filter(idempotency_key__in=flow_keys(run))}
+    # Only this run's own rows count as its steps: a foreign execution under a flow key (the
+    # prefix is refused to submit(), but rows may come from elsewhere) must not pass for one.
+    found = {e.idempotency_key: e for e in Execution.objects.filter(idempotency_key__in=flow_keys(run), flow_id=run.pk)}
     results = dict(run.results or {})
     if run.state == FlowState.RUNNING:
         for i, step in enumerate(flow.steps):
             execution = found.get(step_key(run, i, step))
             run.step = i
             if execution is None:
-                _submit(run, step.task_name, step.kwargs(run.input, results), step_key(run, i, step), on_commit)
+                kwargs = step.kwargs(copy.deepcopy(run.input), copy.deepcopy(results))  # a builder may change them
+                _submit(run, step.task_name, kwargs, step_key(run, i, step), on_commit)
                 run.check_at = _later(CHECK_SECONDS)
                 return
             if execution.state == State.SUCCEEDED:
@@ -225,7 +229,7 @@ def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
         execution = found.get(undo_key(run, j, step))
         if execution is None:
             run.state = FlowState.COMPENSATING
-            kwargs = step.compensate_kwargs(run.input, results)
+            kwargs = step.compensate_kwargs(copy.deepcopy(run.input), copy.deepcopy(results))
             _submit(run, step.compensate_name, kwargs, undo_key(run, j, step), on_commit)
             run.check_at = _later(CHECK_SECONDS)
             return

@@ -14,7 +14,12 @@ from django.utils import timezone
 
 from .. import tracing
 from ..conf import platform_settings
-from ..exceptions import IdempotencyKeyConflictError, InvalidArgumentsError, SubmissionError
+from ..exceptions import (
+    IdempotencyKeyConflictError,
+    InvalidArgumentsError,
+    InvalidIdempotencyKeyError,
+    SubmissionError,
+)
 from ..models import Execution, JobDefinition, Trigger
 from . import ledger
 from .publisher import new_task_id, publish, publish_many, publish_many_on_commit, publish_on_commit
@@ -133,6 +138,9 @@ def _submit_or_get(
         derived = task.derive_idempotency_key(*args_list, **kwargs_dict)
         idempotency_key = derived if derived is not None else f"{task.name}:{uuid.uuid4()}"
     key = check_idempotency_key(idempotency_key)
+    if flow_id is None and key.startswith("flow:"):
+        # The flows' own keys (``core/flows.py``): a row submitted under one would pass for a step.
+        raise InvalidIdempotencyKeyError(f"idempotency keys starting with 'flow:' are the flows' own, not {key!r}")
     if countdown is not None and eta is not None:
         raise InvalidArgumentsError("give countdown or eta, not both")
     if eta is not None and timezone.is_naive(eta):
@@ -379,6 +387,8 @@ def _item_spec(
         derived = task.derive_idempotency_key(*args_list, **kwargs_dict)
         key = derived if derived is not None else f"{task.name}:{uuid.uuid4()}"
     key = check_idempotency_key(key)
+    if key.startswith("flow:"):
+        raise InvalidIdempotencyKeyError(f"idempotency keys starting with 'flow:' are the flows' own, not {key!r}")
     countdown, eta = item.get("countdown"), item.get("eta")
     if countdown is not None and eta is not None:
         raise InvalidArgumentsError("give countdown or eta, not both")
