@@ -251,7 +251,9 @@ def execution_detail(request: HttpRequest, pk: int) -> HttpResponse:
     return JsonResponse(execution_payload(execution))
 
 
-ORDER_NUMBER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,39}$")
+ORDER_NUMBER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,39}")
+#: The largest quantity or amount in cents an order may carry (the columns are 64-bit).
+MAX_ORDER_VALUE = 10**12
 
 
 def _flow_payload(run: FlowRun) -> dict[str, Any]:
@@ -274,13 +276,13 @@ def request_order(request: HttpRequest) -> HttpResponse:
     _only(data, {"order", "sku", "quantity", "amount_cents", "campaign"})
     order, sku, campaign = data.get("order"), data.get("sku"), data.get("campaign")
     quantity, cents = data.get("quantity", 1), data.get("amount_cents")
-    if not isinstance(order, str) or not ORDER_NUMBER.match(order):
+    if not isinstance(order, str) or not ORDER_NUMBER.fullmatch(order):
         raise HttpError(400, "invalid_arguments", "'order' must be an order number (letters, digits, . _ -; 1-40)")
     if not isinstance(sku, str) or not StockItem.objects.filter(sku=sku).exists():
         raise HttpError(400, "invalid_arguments", f"no stock item {sku!r}")
     for name, value in (("quantity", quantity), ("amount_cents", cents)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise HttpError(400, "invalid_arguments", f"{name!r} must be a positive integer")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_ORDER_VALUE:
+            raise HttpError(400, "invalid_arguments", f"{name!r} must be a positive integer up to {MAX_ORDER_VALUE}")
     if not isinstance(campaign, str) or not Campaign.objects.filter(slug=campaign).exists():
         raise HttpError(400, "invalid_arguments", f"no campaign {campaign!r}")
     payload = {"order": order, "sku": sku, "quantity": quantity, "amount_cents": cents, "campaign": campaign,

@@ -77,6 +77,8 @@ def test_bad_orders_get_a_clear_400_and_nothing_starts(client, shop):
         ({"amount_cents": "12"}, "positive integer"),
         ({"campaign": "nope"}, "no campaign"),
         ({"extra": 1}, "unknown field"),
+        ({"order": "A-1\n"}, "order number"),
+        ({"amount_cents": 2**70}, "positive integer up to"),
     ]:
         response = order(client, **body)
         assert response.status_code == 400 and message in response.json()["detail"], (body, response.content)
