@@ -322,7 +322,12 @@ class BeatFactory:
 
 @pytest.fixture
 def beats(transactional_db: None, tmp_path: Path) -> Iterator[BeatFactory]:
-    """Start real beat subprocesses against the test database; all stopped afterwards."""
+    """Start real beat subprocesses against the test database; all stopped afterwards. The
+    broker starts empty: the beat tests count the messages waiting on it, and an earlier
+    test's leftovers (a flow test publishes duplicates on purpose) must not count."""
+    url = broker_url()
+    if url.startswith("redis"):
+        redis_flushdb(url)
     factory = BeatFactory(tmp_path)
     yield factory
     factory.stop_all()
