@@ -35,7 +35,7 @@ from ..exceptions import ExecutionNotFound, IllegalTransitionError, LedgerError,
 from ..models import EventKind, Execution, ExecutionEvent, FlowRun, FlowState, JobDefinition, UtcNow
 from . import _pg as fastpath
 from .publisher import new_task_id, publish_on_commit
-from .types import Claim, Delivery, NewExecution
+from .types import Claim, ClaimOutcome, Delivery, NewExecution
 
 __all__ = ["Claim", "Delivery", "NewExecution"]
 
@@ -489,31 +489,23 @@ def _own_claim(execution: Execution, worker: str, celery_task_id: str, started_a
     )
 
 
+def _absorb(execution: Execution, outcome: ClaimOutcome, kind: str, *, worker: str, data: dict[str, Any]) -> Claim:
+    """Turn a delivery away without changing the row: the event says why."""
+    _event(execution, kind, from_state=execution.state, to_state=execution.state, actor=worker, data=data)
+    return Claim(outcome, execution)
+
+
 def _absorb_duplicate(execution: Execution, *, worker: str, celery_task_id: str) -> Claim:
-    _event(
-        execution,
-        EventKind.DUPLICATE_DELIVERY,
-        from_state=execution.state,
-        to_state=execution.state,
-        actor=worker,
-        data={"celery_task_id": celery_task_id, "owner": execution.worker},
-    )
-    return Claim("duplicate", execution)
+    data = {"celery_task_id": celery_task_id, "owner": execution.worker}
+    return _absorb(execution, "duplicate", EventKind.DUPLICATE_DELIVERY, worker=worker, data=data)
 
 
 def _absorb_superseded(execution: Execution, *, worker: str, celery_task_id: str) -> Claim:
     """Turn away a delivery for a ``WAITING`` row that is not the row's current message (a
     wake or a republication published a newer one). Nothing is lost: the current message, or
     the rescuer at ``due_at``, brings the row back."""
-    _event(
-        execution,
-        EventKind.SUPERSEDED_DELIVERY,
-        from_state=execution.state,
-        to_state=execution.state,
-        actor=worker,
-        data={"celery_task_id": celery_task_id, "current": execution.celery_task_id},
-    )
-    return Claim("superseded", execution)
+    data = {"celery_task_id": celery_task_id, "current": execution.celery_task_id}
+    return _absorb(execution, "superseded", EventKind.SUPERSEDED_DELIVERY, worker=worker, data=data)
 
 
 def _absorb_early(execution: Execution, *, worker: str, celery_task_id: str) -> Claim:
