@@ -115,7 +115,9 @@ class PlatformSettings:
 
     # --- logs (taskplatform.observability.logs) ---
     #: The format of log lines where the platform sets it up (the worker's and the beat's
-    #: handlers, ``logs.apply_to``): ``"plain"`` or ``"json"`` (one object per line).
+    #: handlers, ``logs.apply_to``): ``"plain"`` or ``"json"`` (one object per line). Left
+    #: unset, it replaces only Celery's default format: a host's own formatter, or its
+    #: ``CELERY_WORKER_LOG_FORMAT``, is kept (and still gets the execution fields to use).
     log_format: str = "plain"
 
     # --- tracing (taskplatform.observability.tracing; the ``tracing`` extra) ---

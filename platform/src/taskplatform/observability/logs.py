@@ -141,11 +141,22 @@ def formatter(kind: str) -> logging.Formatter:
 def apply_to(logger: logging.Logger, kind: str, *, only_celerys: bool = False) -> None:
     """Give every handler of ``logger`` the context filter and the chosen formatter. With
     ``only_celerys``, a handler keeps a formatter of the host's own (a JSON one for its log
-    shipper, say): only Celery's default formatter, or none, is replaced."""
-    from celery.utils.log import ColorFormatter
-
+    shipper, say, or Celery's formatter with the host's ``CELERY_WORKER_LOG_FORMAT``): only
+    Celery's formatter with Celery's default format, or none, is replaced."""
     for handler in logger.handlers:
         if not any(isinstance(f, ExecutionContextFilter) for f in handler.filters):
             handler.addFilter(ExecutionContextFilter())
-        if not only_celerys or handler.formatter is None or isinstance(handler.formatter, ColorFormatter):
+        if not only_celerys or is_celerys_default(handler.formatter):
             handler.setFormatter(formatter(kind))
+
+
+def is_celerys_default(fmt: logging.Formatter | None) -> bool:
+    """No formatter, or Celery's own with its default worker or task format. Every formatter
+    Celery installs is a ``ColorFormatter``, whatever format the host gave it
+    (``CELERY_WORKER_LOG_FORMAT``), so the class alone does not tell a host's choice apart."""
+    from celery.app.defaults import DEFAULT_PROCESS_LOG_FMT, DEFAULT_TASK_LOG_FMT
+    from celery.utils.log import ColorFormatter
+
+    if fmt is None:
+        return True
+    return isinstance(fmt, ColorFormatter) and fmt._fmt in (DEFAULT_PROCESS_LOG_FMT, DEFAULT_TASK_LOG_FMT)
