@@ -195,6 +195,18 @@ def test_the_result_counts_from_the_last_operator_requeue_and_names_failures_the
     lost = hopeless.get_result(result.id)
     assert [e.exception_class for e in lost.errors] == [LeaseLostError] and lost.worker_ids == ["w:2"]
 
+    ledger.operator_transition(pk, "PENDING", user="op", reason="and again", expected_state="FAILED")
+    attempt("w:4")  # a rescued attempt: its lease ran out, the rescuer re-queued it
+    Execution.objects.filter(pk=pk).update(lease_expires_at=timezone.now() - timedelta(seconds=5))
+    rescued = ledger.rescue_expired(Execution.objects.get(pk=pk), max_attempts=2, now=timezone.now())
+    assert rescued == "rescued"
+    requeued = hopeless.get_result(result.id)
+    assert [e.exception_class for e in requeued.errors] == [LeaseLostError], "the rescued attempt is an error"
+    assert "worker w:4 lost or stalled" in requeued.errors[0].traceback
+    claim = attempt("w:5")
+    ledger.dead_letter(claim.execution, claim.token, error=lost_worker, traceback="", worker="rescuer")
+    assert [e.exception_class for e in hopeless.get_result(result.id).errors] == [LeaseLostError] * 2
+
     ledger.operator_transition(pk, "PENDING", user="op", reason="once more", expected_state="FAILED")
     attempt("w:3")
     ledger.operator_transition(pk, "FAILED", user="op", reason="the gateway is gone", expected_state="RUNNING")

@@ -162,7 +162,7 @@ def result_of(task: Task[Any, Any], execution: Execution, alias: str) -> TaskRes
     failures = [  # in the order they happened
         e
         for e in events
-        if e["kind"] in (EventKind.RETRY_SCHEDULED, EventKind.DEAD_LETTERED)
+        if e["kind"] in (EventKind.RETRY_SCHEDULED, EventKind.RESCUED, EventKind.DEAD_LETTERED)
         or (e["kind"] == EventKind.OPERATOR and e["to_state"] in (State.FAILED, State.CANCELLED))
     ]
     for n, event in enumerate(failures, start=1):
@@ -170,6 +170,10 @@ def result_of(task: Task[Any, Any], execution: Execution, alias: str) -> TaskRes
         path = error.split(":", 1)[0]
         if event["kind"] == EventKind.OPERATOR:
             path, error = _BY_OPERATOR, f"{event['to_state'].lower()} by {event['actor']}: {event['reason']}"
+        elif event["kind"] == EventKind.RESCUED:
+            # The attempt's lease ran out (its worker died or stalled); the event's error is
+            # whatever the row held before, an earlier attempt's, so the reason tells it.
+            path, error = _NOT_RAISED, str(event["reason"] or "")
         elif not _CLASS_PATH.match(path):
             path = _NOT_RAISED
         last = n == len(failures) and event["kind"] != EventKind.OPERATOR
