@@ -78,6 +78,15 @@ def test_a_misspelt_setting_is_reported_with_the_nearest_valid_name():
     assert not message.is_serious()
 
 
+@override_settings(TASKPLATFORM_RESCUE_QUEUE="rescue")
+def test_a_removed_setting_says_it_was_removed_not_a_near_name():
+    """W001 used to answer ``TASKPLATFORM_RESCUE_QUEUE`` with "Did you mean
+    TASKPLATFORM_RESCUE_BATCH_SIZE?", a setting that does something else."""
+    (message,) = [m for m in check_settings() if m.id == "taskplatform.W001"]
+    assert "TASKPLATFORM_RESCUE_QUEUE" in message.msg and "removed" in message.hint
+    assert "Did you mean" not in message.hint and "BATCH_SIZE" not in message.hint
+
+
 @override_settings(
     TASKPLATFORM_LEASE_SECONDS=60.0, TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS=0, TASKPLATFORM_RETENTION_DAYS=0,
     TASKPLATFORM_BEAT_CATCH_UP_WINDOW_SECONDS=0, TASKPLATFORM_PRUNE_INTERVAL_SECONDS=3600.0,

@@ -9,7 +9,7 @@ from django.core.checks import CheckMessage, Error, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 
 from .backends import backend_config, build_backend
-from .conf import platform_settings, settings_problems, unknown_settings
+from .conf import REMOVED, platform_settings, settings_problems, unknown_settings
 from .exceptions import TaskPlatformError
 from .scheduling.config import configuration_problems
 
@@ -58,7 +58,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         errors.append(
             Warning(
                 f"{name} is not a taskplatform setting (it is ignored)",
-                hint=f"Did you mean {nearest}?" if nearest else "See docs/reference/settings.md for the settings.",
+                hint=REMOVED.get(name)
+                or (f"Did you mean {nearest}?" if nearest else "See docs/reference/settings.md for the settings."),
                 id="taskplatform.W001",
             )
         )

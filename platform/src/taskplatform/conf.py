@@ -148,14 +148,23 @@ _POSITIVE = frozenset(
 )  # fmt: skip
 
 
+#: Settings an earlier version had, with what became of them: the nearest valid name would
+#: mislead (``RESCUE_QUEUE`` is not a misspelt ``RESCUE_BATCH_SIZE``).
+REMOVED = {
+    PREFIX + "RESCUE_QUEUE": "It was removed: it was never read. The rescuer runs in the process that holds "
+    "the maintenance lease (a worker or the LockedScheduler leader), not as a task on a queue; delete it.",
+}
+
+
 def unknown_settings() -> list[tuple[str, str | None]]:
     """Django settings named ``TASKPLATFORM_*`` that are not platform settings, each with the
-    nearest valid name (None when nothing is close): a misspelt setting is otherwise ignored."""
+    nearest valid name (None when nothing is close): a misspelt setting is otherwise ignored.
+    A removed setting is not given a nearest name (``REMOVED`` says what became of it)."""
     valid = [PREFIX + name.upper() for name in sorted(_FIELD_NAMES)]
     unknown = []
     for key in dir(settings):
         if key.startswith(PREFIX) and key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+            close = [] if key in REMOVED else difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
             unknown.append((key, close[0] if close else None))
     return unknown
 
