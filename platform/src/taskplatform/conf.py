@@ -100,7 +100,8 @@ class PlatformSettings:
     beat_batch_size: int = 500
     #: Terminal executions older than this many days are deleted by the beat leader (0: keep).
     retention_days: int = 30
-    #: How often the beat leader prunes the ledger, in seconds.
+    #: How often the holder of the maintenance lease (the beat leader or a worker) prunes the
+    #: ledger, in seconds.
     prune_interval_seconds: int = 3600
 
     #: How often the maintenance holder counts executions per state and job for the console's

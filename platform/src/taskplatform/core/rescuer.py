@@ -12,7 +12,8 @@ One pass does two things, each bounded by ``TASKPLATFORM_RESCUE_BATCH_SIZE``:
 3. Flow runs whose ``check_at`` passed are moved on (``flows.advance``): the backstop for a
    worker that died between a step's outcome and the flow's next move.
 
-The beat leader runs it (``scheduling.maintenance``); ``python manage.py taskplatform rescue``
+The holder of the maintenance lease runs it (``scheduling.maintenance``: the leading beat or a
+worker); ``python manage.py taskplatform rescue``
 and the ``taskplatform.rescue`` Celery task run the same function.
 """
 

@@ -48,7 +48,7 @@ class Actor(enum.StrEnum):
     """Who performs a transition."""
 
     WORKER = "worker"  # IdempotentTask running on a Celery worker
-    RESCUER = "rescuer"  # the periodic maintenance duty (beat leader)
+    RESCUER = "rescuer"  # the periodic maintenance duty (the holder of the maintenance lease)
     OPERATOR = "operator"  # a person, through the admin or a management command
 
 

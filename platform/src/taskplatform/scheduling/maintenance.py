@@ -91,7 +91,9 @@ class MaintenanceLease:
 
 
 class Maintenance(threading.Thread):
-    """The leader's maintenance duties, off the tick thread: rescuer and ledger pruning."""
+    """A candidate for the fleet's maintenance duties (rescuer, counts snapshot, ledger pruning),
+    in a thread of its own: it runs them while it holds the maintenance lease and
+    ``is_leading()`` says it may (a beat's leadership; always, in a worker)."""
 
     def __init__(
         self, conf: PlatformSettings, is_leading: Callable[[], bool], lease: MaintenanceLease | None = None

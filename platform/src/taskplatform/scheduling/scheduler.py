@@ -23,7 +23,8 @@ and policies. Each tick:
 4. **Misfires.** Slots owed for longer than ``beat_misfire_grace_seconds`` (no leader
    ran) follow the job's policy: ``skip``, ``run_once`` (default) or ``catch_up``.
 
-The leader also runs the platform's maintenance in a thread of its own: the rescuer every
+The leader is also a candidate for the platform's maintenance, in a thread of its own: while
+it holds the maintenance lease (which a worker may hold instead), the rescuer every
 ``rescue_interval_seconds`` and ledger pruning every ``prune_interval_seconds``.
 """
 
