@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -157,3 +158,96 @@ def test_two_deployments_on_one_lock_server_each_have_their_own_maintenance_leas
         assert second.holds(), "another deployment's rescuer runs too"
         second.release()
     first.release()
+
+
+# --- found by the review of issue 14: a pass longer than the lease ----------------------------
+
+
+def _expired_rows(n: int) -> list[Execution]:
+    """``n`` RUNNING rows on their last attempt whose lease ran out: the rescuer dead-letters
+    each (nothing is published)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from taskplatform.core import ledger
+
+    rows = []
+    for i in range(n):
+        row, _ = ledger.create(
+            ledger.NewExecution(idempotency_key=f"long-pass:{i}", task_name="testapp.effect", args=[], kwargs={})
+        )
+        claim = ledger.claim(row, worker="gone:1", celery_task_id=f"t-{i}", lease_seconds=30, max_attempts=1)
+        assert claim is not None and claim.outcome == "claimed"
+        rows.append(row)
+    Execution.objects.filter(pk__in=[r.pk for r in rows]).update(
+        lease_expires_at=timezone.now() - timedelta(seconds=1), max_attempts=1  # the row's own budget: spent
+    )
+    return rows
+
+
+@override_settings(TASKPLATFORM_BEAT_LEASE_SECONDS=3, TASKPLATFORM_RESCUE_INTERVAL_SECONDS=1)
+def test_a_rescuer_pass_longer_than_the_lease_keeps_the_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease (3 s here) was renewed only between passes: a pass of 4.8 s lost it at 3 s and
+    another candidate took the duties while the first still ran, two rescuers at once. The pass
+    renews it now; every row is handled, and no other candidate gets the lease meanwhile."""
+    from taskplatform.conf import platform_settings
+    from taskplatform.core import ledger, rescuer
+    from taskplatform.scheduling.maintenance import Maintenance
+
+    rows = _expired_rows(8)
+    taken_by_other: list[bool] = []
+    slow = ledger.rescue_expired
+
+    def slow_rescue(execution: Execution, **kwargs: Any) -> str:
+        time.sleep(0.6)  # the work of a large pass, 0.6 s a row (not a synchronisation)
+        # Meanwhile a second candidate tries for the lease, as another worker's thread would.
+        other = get_lock_backend().acquire(MAINTENANCE_LOCK, 3, identity="other-candidate")
+        taken_by_other.append(other is not None)
+        return slow(execution, **kwargs)
+
+    monkeypatch.setattr(rescuer.ledger, "rescue_expired", slow_rescue)
+    thread = Maintenance(platform_settings(), is_leading=lambda: True)
+    thread.start()
+    try:
+        wait_for(
+            lambda: Execution.objects.filter(pk__in=[r.pk for r in rows], state="FAILED").count() == 8,
+            timeout=30, what="every expired row dead-lettered",
+        )  # fmt: skip
+    finally:
+        thread.stop()
+    assert len(taken_by_other) == 8
+    assert not any(taken_by_other), f"another candidate took the lease during the pass: {taken_by_other}"
+
+
+@override_settings(TASKPLATFORM_BEAT_LEASE_SECONDS=3, TASKPLATFORM_RESCUE_INTERVAL_SECONDS=1)
+def test_a_rescuer_pass_ends_once_its_lease_is_someone_elses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from taskplatform.conf import platform_settings
+    from taskplatform.core import ledger, rescuer
+    from taskplatform.scheduling.maintenance import Maintenance
+
+    rows = _expired_rows(8)
+    handled: list[int] = []
+    real = ledger.rescue_expired
+
+    def losing_rescue(execution: Execution, **kwargs: Any) -> str:
+        time.sleep(0.5)  # the work of a large pass, 0.5 s a row (not a synchronisation)
+        handled.append(execution.pk)
+        if len(handled) == 2:  # the lease is lost (an operator's release, say) and another takes it
+            get_lock_backend().force_release(MAINTENANCE_LOCK)
+            assert get_lock_backend().acquire(MAINTENANCE_LOCK, 30, identity="other-candidate") is not None
+        return real(execution, **kwargs)
+
+    monkeypatch.setattr(rescuer.ledger, "rescue_expired", losing_rescue)
+    thread = Maintenance(platform_settings(), is_leading=lambda: True)
+    thread.start()
+    try:
+        wait_for(lambda: (holder() or "").startswith("other-candidate#"), timeout=20, what="the lease lost")
+        # The thread's next renewal (a third of the lease, 1 s) finds the lease gone and ends the pass.
+        wait_for(lambda: thread.lease.lease is None, timeout=10, what="the thread seeing the loss")
+    finally:
+        thread.stop()
+    assert len(handled) < 8, "the pass went on after the lease was someone else's"
+    left = Execution.objects.filter(pk__in=[r.pk for r in rows], state="RUNNING").count()
+    assert left == 8 - len(handled)
+    get_lock_backend().force_release(MAINTENANCE_LOCK)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -169,8 +169,9 @@ def advance_quietly(run_id: int | None) -> None:
             log.warning("could not record why the flow is stuck", exc_info=True, extra={"flow_run": run_id})
 
 
-def advance_due(*, batch: int = 200) -> int:
-    """The rescuer's backstop: advance every unfinished run whose ``check_at`` has passed."""
+def advance_due(*, batch: int = 200, keep_going: Callable[[], bool] = lambda: True) -> int:
+    """The rescuer's backstop: advance every unfinished run whose ``check_at`` has passed
+    (asking ``keep_going`` before each, as ``run_rescuer`` does)."""
     due = list(
         FlowRun.objects.filter(
             state__in=(FlowState.RUNNING, FlowState.COMPENSATING, FlowState.FAILED_TO_COMPENSATE),
@@ -179,9 +180,13 @@ def advance_due(*, batch: int = 200) -> int:
         .order_by("check_at")
         .values_list("pk", flat=True)[:batch]
     )
+    advanced = 0
     for pk in due:
+        if not keep_going():
+            break
         advance_quietly(pk)
-    return len(due)
+        advanced += 1
+    return advanced
 
 
 def _later(seconds: int) -> Any:

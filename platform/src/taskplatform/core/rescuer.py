@@ -20,7 +20,7 @@ and the ``taskplatform.rescue`` Celery task run the same function.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -81,19 +81,36 @@ def _rescue_span(execution: Execution, why: str) -> Iterator[None]:
         yield
 
 
-def run_rescuer(now: datetime | None = None) -> RescueReport:
+def _always() -> bool:
+    return True
+
+
+def run_rescuer(now: datetime | None = None, *, keep_going: Callable[[], bool] = _always) -> RescueReport:
     """One rescuer pass; safe to run concurrently with workers and with itself.
 
     Which rows are due is the database's clock's decision (``UtcNow()`` in the selection and
     again in each compare-and-set): a rescuer host whose clock is off neither acts early nor
     late. ``now`` only stamps the events it writes.
+
+    ``keep_going`` is asked before each row: the maintenance thread passes its lease's
+    ``holds()``, which renews the lease on the way (a pass longer than the lease kept it only
+    until the lease ran out, and another process ran a second rescuer beside it) and ends the
+    pass once the lease is someone else's.
     """
     now = now or timezone.now()
     batch = platform_settings().rescue_batch_size
     report = RescueReport()
 
+    def stopped() -> bool:
+        if keep_going():
+            return False
+        log.warning("rescuer pass stopped: this process no longer holds the maintenance duties", extra=report.as_dict())
+        return True
+
     expired = Execution.objects.lease_expired().select_related("job").order_by("lease_expires_at")[:batch]
     for execution in expired:
+        if stopped():
+            return report
         with _traced(execution, "expired lease"):
             outcome = ledger.rescue_expired(execution, max_attempts=_max_attempts(execution), now=now)
             tracing.annotate({"taskplatform.outcome": outcome})
@@ -108,13 +125,15 @@ def run_rescuer(now: datetime | None = None) -> RescueReport:
         .order_by("due_at")[:batch]
     )
     for execution in due:
+        if stopped():
+            return report
         with _traced(execution, f"due {execution.state.lower()}"):
             published = ledger.republish_due(execution, now=now)
             tracing.annotate({"taskplatform.outcome": "published" if published else "not published"})
         if published:
             report.published += 1
 
-    report.flows_advanced = flows.advance_due(batch=batch)
+    report.flows_advanced = flows.advance_due(batch=batch, keep_going=keep_going)
 
     if report.rescued or report.dead_lettered or report.published or report.flows_advanced:
         log.info("rescuer pass", extra=report.as_dict())

@@ -127,7 +127,7 @@ class Maintenance(threading.Thread):
             try:
                 if now >= next_rescue:
                     next_rescue = now + self.conf.rescue_interval_seconds
-                    run_rescuer()
+                    run_rescuer(keep_going=self.is_leading)  # renews the lease during a long pass
                 if now >= next_count:
                     next_count = now + self.conf.counts_interval_seconds
                     CountsSnapshot.take()
