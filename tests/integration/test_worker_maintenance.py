@@ -181,7 +181,8 @@ def _expired_rows(n: int) -> list[Execution]:
         assert claim is not None and claim.outcome == "claimed"
         rows.append(row)
     Execution.objects.filter(pk__in=[r.pk for r in rows]).update(
-        lease_expires_at=timezone.now() - timedelta(seconds=1), max_attempts=1  # the row's own budget: spent
+        lease_expires_at=timezone.now() - timedelta(seconds=1),
+        max_attempts=1,  # the row's own budget: spent
     )
     return rows
 

@@ -12,7 +12,6 @@ from django.test import override_settings
 from taskplatform.apps import structured_celery_logs
 from taskplatform.observability.logs import ExecutionContextFilter
 
-
 HOSTS_CELERY_FORMAT = "%(levelname)s %(processName)s %(message)s"  # CELERY_WORKER_LOG_FORMAT
 
 

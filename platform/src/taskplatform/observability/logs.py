@@ -154,7 +154,7 @@ def is_celerys_default(fmt: logging.Formatter | None) -> bool:
     """No formatter, or Celery's own with its default worker or task format. Every formatter
     Celery installs is a ``ColorFormatter``, whatever format the host gave it
     (``CELERY_WORKER_LOG_FORMAT``), so the class alone does not tell a host's choice apart."""
-    from celery.app.defaults import DEFAULT_PROCESS_LOG_FMT, DEFAULT_TASK_LOG_FMT
+    from celery.app.defaults import DEFAULT_PROCESS_LOG_FMT, DEFAULT_TASK_LOG_FMT  # type: ignore[attr-defined]
     from celery.utils.log import ColorFormatter
 
     if fmt is None:
