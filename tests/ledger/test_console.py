@@ -378,6 +378,17 @@ def test_a_paused_jobs_django_celery_beat_entry_shows_it_paused() -> None:
     entry.save()
     job.refresh_from_db()
     assert job.enabled, "django-celery-beat's own disabling paused the job"
+    # The other way is shown, and the console's resume switches the entry back on (review of
+    # issue 14: the mirror worked one way only, and the console said such a job ran).
+    viewer = operator("pause_jobdefinition", "view_jobdefinition", username="viewer")
+    assert "its django-celery-beat entry is off" in viewer.get(JOBS).content.decode()
+    page = viewer.get(f"{JOBS}{job.pk}/change/").content.decode()
+    assert "This job does not run: its django-celery-beat entry is off" in page
+    client.post(JOBS, {"action": "resume", "_selected_action": [job.pk]})
+    entry.refresh_from_db()
+    assert entry.enabled, "resume left the job's entry off"
+    assert OperatorAction.objects.filter(action="resume_job", reason__contains="entry was off").count() == 1
+    assert "its django-celery-beat entry is off" not in viewer.get(JOBS).content.decode()
     paused, _ = define_job("born-paused", task="testapp.effect", enabled=False, schedule={"every_seconds": 60})
     assert not PeriodicTask.objects.get(pk=paused.periodic_task_id).enabled
 

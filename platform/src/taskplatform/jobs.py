@@ -202,7 +202,11 @@ def clear_schedule(job: JobDefinition) -> None:
 
 
 def set_enabled(job: JobDefinition, enabled: bool, *, user: str, reason: str) -> bool:
-    """Pause or resume a job; False if it already was (nothing recorded)."""
+    """Pause or resume a job; False if it already was (nothing recorded).
+
+    Resuming a job that is on but whose django-celery-beat entry was switched off there (the
+    job does not run: an entry runs when both switches are on) switches the entry back on:
+    the console's "resume" is the way to make a job run, whichever switch stopped it."""
     with transaction.atomic():
         changed = JobDefinition.objects.filter(pk=job.pk, enabled=not enabled).update(
             enabled=enabled, updated_at=timezone.now()
@@ -210,7 +214,20 @@ def set_enabled(job: JobDefinition, enabled: bool, *, user: str, reason: str) ->
         if changed:
             audit(user, "resume_job" if enabled else "pause_job", f"job:{job.slug}", reason)
             _mirror_to_schedule(job.periodic_task_id, enabled)
+        elif enabled and entry_disabled(job):
+            audit(user, "resume_job", f"job:{job.slug}", f"{reason} (its django-celery-beat entry was off)")
+            _mirror_to_schedule(job.periodic_task_id, True)
+            changed = 1
     return bool(changed)
+
+
+def entry_disabled(job: JobDefinition) -> bool:
+    """Whether ``job`` is on while its django-celery-beat entry is off (switched off in
+    django-celery-beat's pages, or by django-celery-beat itself after a one-off ran): it does
+    not run, and the console says so."""
+    if not job.enabled or job.periodic_task_id is None:
+        return False
+    return PeriodicTask.objects.filter(pk=job.periodic_task_id, enabled=False).exists()
 
 
 def _mirror_to_schedule(periodic_task_id: int | None, enabled: bool) -> None:

@@ -377,11 +377,33 @@ class JobDefinitionAdmin(admin.ModelAdmin):
         ("Execution", {"fields": ("queue", "priority", "soft_time_limit_seconds", "time_limit_seconds",
                                   "lease_seconds")}),
     )  # fmt: skip
-    list_display = ("slug", "task", "schedule", "misfire_policy", "queue", "max_attempts", "enabled", "updated_at")
+    list_display = ("slug", "task", "schedule", "misfire_policy", "queue", "max_attempts", "runs", "updated_at")
     list_filter = ("enabled", "queue", "misfire_policy")
     search_fields = ("slug", "task", "description")
     list_select_related = ("periodic_task__crontab", "periodic_task__interval", "periodic_task__clocked")
     actions = ["pause", "resume", "run_now", "duplicate"]
+
+    @admin.display(description="runs", ordering="enabled")
+    def runs(self, obj: JobDefinition) -> str:
+        """Whether the beat runs the job: on here and on in django-celery-beat (two switches;
+        pausing here flips both, the other page flips only its own)."""
+        if not obj.enabled:
+            return "paused"
+        task = obj.periodic_task
+        if task is not None and not task.enabled:
+            return "no: its django-celery-beat entry is off (resume it to run it)"
+        return "yes"
+
+    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: Any = None) -> Any:
+        job = self.get_object(request, object_id)
+        if job is not None and request.method == "GET" and jobs.entry_disabled(job):
+            self.message_user(
+                request,
+                "This job does not run: its django-celery-beat entry is off (switched off on django-celery-beat's "
+                "Periodic tasks page, or after a one-off ran). Resume it from the job list to switch the entry on.",
+                messages.WARNING,
+            )
+        return super().change_view(request, object_id, form_url, extra_context)
 
     @admin.display(description="schedule")
     def schedule(self, obj: JobDefinition) -> str:
