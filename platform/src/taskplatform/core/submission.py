@@ -122,25 +122,9 @@ def _submit_or_get(
     slot: datetime | None,
     flow_id: int | None = None,
 ) -> tuple[Execution, bool]:
-    job: JobDefinition | None = None
-    if isinstance(task_or_name, JobDefinition):
-        job = task_or_name
-        task = resolve_task(job.task)
-    else:
-        task = resolve_task(task_or_name)
-    if job is not None:
-        args = job.args if args is None else args
-        kwargs = job.kwargs if kwargs is None else kwargs
-        queue = queue if queue is not None else job.queue
-        priority = priority if priority is not None else job.priority
-    args_list, kwargs_dict, _size = encode_arguments(args, kwargs)
-    if idempotency_key is None:
-        derived = task.derive_idempotency_key(*args_list, **kwargs_dict)
-        idempotency_key = derived if derived is not None else f"{task.name}:{uuid.uuid4()}"
-    key = check_idempotency_key(idempotency_key)
-    if flow_id is None and key.startswith("flow:"):
-        # The flows' own keys (``core/flows.py``): a row submitted under one would pass for a step.
-        raise InvalidIdempotencyKeyError(f"idempotency keys starting with 'flow:' are the flows' own, not {key!r}")
+    task, job, args_list, kwargs_dict, key, queue, priority = _resolved(
+        task_or_name, args, kwargs, idempotency_key=idempotency_key, queue=queue, priority=priority, flow_id=flow_id
+    )
     if countdown is not None and eta is not None:
         raise InvalidArgumentsError("give countdown or eta, not both")
     if eta is not None and timezone.is_naive(eta):
@@ -183,6 +167,77 @@ def _submit_or_get(
         else:
             publish(execution, task_id=task_id, countdown=delay or None)
     return execution, True
+
+
+def _resolved(
+    task_or_name: Task | str | JobDefinition,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    idempotency_key: str | None,
+    queue: str | None,
+    priority: int | None,
+    flow_id: int | None = None,
+) -> tuple[Any, JobDefinition | None, list[Any], dict[str, Any], str, str | None, int | None]:
+    """A submission's task, job, arguments (a job's defaults applied, encoded and checked),
+    key (given, derived, or new; checked), queue and priority; a ``SubmissionError`` for bad
+    input."""
+    job: JobDefinition | None = None
+    if isinstance(task_or_name, JobDefinition):
+        job = task_or_name
+        task = resolve_task(job.task)
+    else:
+        task = resolve_task(task_or_name)
+    if job is not None:
+        args = job.args if args is None else args
+        kwargs = job.kwargs if kwargs is None else kwargs
+        queue = queue if queue is not None else job.queue
+        priority = priority if priority is not None else job.priority
+    args_list, kwargs_dict, _size = encode_arguments(args, kwargs)
+    if idempotency_key is None:
+        derived = task.derive_idempotency_key(*args_list, **kwargs_dict)
+        idempotency_key = derived if derived is not None else f"{task.name}:{uuid.uuid4()}"
+    key = check_idempotency_key(idempotency_key)
+    if flow_id is None and key.startswith("flow:"):
+        # The flows' own keys (``core/flows.py``): a row submitted under one would pass for a step.
+        raise InvalidIdempotencyKeyError(f"idempotency keys starting with 'flow:' are the flows' own, not {key!r}")
+    return task, job, args_list, kwargs_dict, key, queue, priority
+
+
+def slot_spec(
+    task_or_name: Task | str | JobDefinition,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    idempotency_key: str,
+    slot: datetime,
+    queue: str | None = None,
+    priority: int | None = None,
+    trigger: str = Trigger.BEAT,
+    trace_context: str = "",
+) -> NewExecution:
+    """What ``submit(task_or_name, args, kwargs, idempotency_key=…, slot=slot)`` records, for
+    a beat that records a batch of slots in one ``ledger.create_many`` and publishes the new
+    rows with ``publish_many_on_commit``; ``submit()``'s ``SubmissionError`` for bad input."""
+    _task, job, args_list, kwargs_dict, key, queue, priority = _resolved(
+        task_or_name, args, kwargs, idempotency_key=idempotency_key, queue=queue, priority=priority
+    )
+    now = timezone.now()
+    return NewExecution(
+        idempotency_key=key,
+        task_name=_task.name,
+        args=args_list,
+        kwargs=kwargs_dict,
+        trigger=trigger,
+        job=job,
+        queue=queue or "",
+        priority=priority,
+        scheduled_for=slot,
+        due_at=now + ledger.republish_interval(1),
+        celery_task_id=new_task_id(),
+        publish_count=1,
+        trace_context=trace_context,
+    )
 
 
 #: The fields an item of ``submit_many`` may have.

@@ -30,6 +30,7 @@ it holds the maintenance lease (which a worker may hold instead), the rescuer ev
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -53,10 +54,11 @@ from ..backends import get_lock_backend
 from ..backends.base import Lease, new_owner
 from ..conf import platform_settings
 from ..core import ledger
-from ..core.submission import submit
+from ..core.publisher import publish_many_on_commit
+from ..core.submission import slot_spec
 from ..core.types import NewExecution
-from ..exceptions import IdempotencyKeyConflictError, SubmissionError
-from ..models import BeatProcess, JobDefinition, ScheduleCursor, Trigger
+from ..exceptions import SubmissionError
+from ..models import BeatProcess, Execution, JobDefinition, ScheduleCursor, Trigger
 from ..observability.logs import execution_context
 from .clock import DatabaseClock
 from .config import configuration_problems
@@ -75,6 +77,16 @@ HEARTBEAT_SECONDS = 5.0
 CURSOR_CHUNK = 1000
 #: Entries per statement when django-celery-beat's run columns are written (``_record_runs``).
 RUNS_CHUNK = 500
+
+#: ``_record_runs`` on PostgreSQL: never backwards (a former leader's late write must not move
+#: ``last_run_at`` back), the count added to.
+_RECORD_RUNS_SQL = f"""
+    UPDATE {PeriodicTask._meta.db_table} AS p
+    SET last_run_at = GREATEST(COALESCE(p.last_run_at, r.last), r.last),
+        total_run_count = p.total_run_count + r.count
+    FROM jsonb_to_recordset(%s::jsonb) AS r(name text, last timestamptz, count integer)
+    WHERE p.name = r.name
+"""
 
 
 #: The signals on which ``celery beat`` stops by raising an exception wherever its main thread is.
@@ -364,6 +376,18 @@ class LockedScheduler(DatabaseScheduler):
         runs, self._runs = self._runs, {}
         names = list(runs)
         try:
+            if connection.vendor == "postgresql":
+                # One statement per chunk, the values as one JSON parameter: bulk_update's
+                # CASE over 800 names took 0.6 s every sync at 10,000 jobs, on the tick thread,
+                # and was the whole of the publication lateness tail.
+                for start in range(0, len(names), RUNS_CHUNK * 10):
+                    chunk = names[start : start + RUNS_CHUNK * 10]
+                    rows = [{"name": n, "last": runs[n][0].isoformat(), "count": runs[n][1]} for n in chunk]
+                    with connection.cursor() as cursor:
+                        cursor.execute(_RECORD_RUNS_SQL, [json.dumps(rows)])
+                    for name in chunk:
+                        runs.pop(name, None)
+                return
             for start in range(0, len(names), RUNS_CHUNK):
                 chunk = names[start : start + RUNS_CHUNK]
                 tasks = list(PeriodicTask.objects.filter(name__in=chunk).only("id", "name"))
@@ -478,9 +502,7 @@ class LockedScheduler(DatabaseScheduler):
         # The messages go out when the transaction commits: a shutdown signal waits for them.
         with shutdown_held(), transaction.atomic():
             check_fence(self.conf.beat_lock_name, lease)
-            for entry, slots, _cursor in batch:
-                for slot in slots:
-                    published += self._submit(entry, slot, lease, jobs)
+            published = self._submit_batch(batch, lease, jobs)
             self._write_cursors(cursors, lease.token)
         for entry, slots, cursor in batch:
             self.table.cursors[entry.name] = cursor
@@ -493,48 +515,81 @@ class LockedScheduler(DatabaseScheduler):
         self.stats.published += published
         batch.clear()
 
-    def _submit(self, entry: SlotEntry, slot: datetime, lease: Lease, jobs: dict[int, JobDefinition]) -> bool:
-        """Submit one slot in the publication transaction; False if it was not published."""
-        key = slot_key(entry.key_prefix, slot)
-        try:
-            if entry.kind == "job":
-                job = jobs.get(entry.job_id or 0)
-                if job is None:
-                    raise JobDefinition.DoesNotExist(f"job {entry.job_slug!r} was deleted")
-                submit(job, idempotency_key=key, trigger=Trigger.BEAT, slot=slot)
-            elif entry.kind == "task":
-                submit(
-                    entry.task,
-                    entry.args,
-                    entry.kwargs,
-                    idempotency_key=key,
-                    queue=entry.options.get("queue"),
-                    priority=entry.options.get("priority"),
-                    trigger=Trigger.BEAT,
-                    slot=slot,
-                )
-            else:
-                headers = {**entry.options.get("headers", {}), "tp_slot": key, "tp_fencing_token": lease.token}
-                options = {**entry.options, "headers": headers}
-                transaction.on_commit(
-                    lambda: self.app.send_task(entry.task, entry.args, entry.kwargs, **options), robust=True
-                )
-            return True
-        except IdempotencyKeyConflictError as exc:
-            # The slot has its execution already (an earlier leader published it with the
-            # job's arguments of then): nothing is lost.
-            log.warning("schedule entry %r slot %s already has an execution: %s", entry.name, key, exc)
-            return False
-        except SubmissionError as exc:
-            # Bad configuration (an unknown task during a rolling deploy, bad arguments) must
-            # not block the other entries, nor lose the slot: it becomes a dead letter the
-            # operator can retry once the cause is fixed.
-            self._dead_letter_slot(entry, slot, key, jobs.get(entry.job_id or 0), exc)
-            return False
-        except JobDefinition.DoesNotExist as exc:
-            # The job was deleted since the load: its schedule goes too, nothing is owed.
-            log.warning("schedule entry %r slot %s not published: %s", entry.name, key, exc)
-            return False
+    def _submit_batch(
+        self,
+        batch: list[tuple[SlotEntry, tuple[datetime, ...], datetime]],
+        lease: Lease,
+        jobs: dict[int, JobDefinition],
+    ) -> int:
+        """Record the batch's slots in the publication transaction and publish them once it
+        commits; the number published. The ledger rows go in one ``create_many`` (one
+        statement per thousand on PostgreSQL) and their messages in one pipeline
+        (``publish_many_on_commit``): one ``submit()`` per slot held the beat to about 170
+        slots a second. Each slot keeps ``submit()``'s semantics: a slot whose key has its
+        execution already is not published again, and one that cannot be submitted (an
+        unknown task, bad arguments) becomes a dead letter without stopping the others."""
+        specs: list[NewExecution] = []
+        origin: list[tuple[SlotEntry, datetime]] = []
+        seen: dict[str, int] = {}
+        published = 0
+        for entry, slots in ((e, s) for e, s, _c in batch):
+            for slot in slots:
+                key = slot_key(entry.key_prefix, slot)
+                if entry.kind == "plain":
+                    self._send_plain(entry, key, lease)
+                    published += 1
+                    continue
+                try:
+                    if entry.kind == "job":
+                        job = jobs.get(entry.job_id or 0)
+                        if job is None:
+                            # The job was deleted since the load: its schedule goes too, nothing is owed.
+                            log.warning("schedule entry %r slot %s not published: job %r was deleted",
+                                        entry.name, key, entry.job_slug)  # fmt: skip
+                            continue
+                        spec = slot_spec(job, idempotency_key=key, slot=slot)
+                    else:
+                        spec = slot_spec(
+                            entry.task, entry.args, entry.kwargs, idempotency_key=key, slot=slot,
+                            queue=entry.options.get("queue"), priority=entry.options.get("priority"),
+                        )  # fmt: skip
+                except SubmissionError as exc:
+                    # Bad configuration (an unknown task during a rolling deploy, bad arguments)
+                    # must not block the other entries, nor lose the slot: it becomes a dead
+                    # letter the operator can retry once the cause is fixed.
+                    self._dead_letter_slot(entry, slot, key, jobs.get(entry.job_id or 0), exc)
+                    continue
+                if key in seen:  # two entries with one key prefix (a job's slug, a task entry's name)
+                    first = specs[seen[key]]
+                    if (first.task_name, first.args, first.kwargs) != (spec.task_name, spec.args, spec.kwargs):
+                        log.warning("schedule entry %r slot %s: another entry has the key, with other arguments",
+                                    entry.name, key)  # fmt: skip
+                    continue
+                seen[key] = len(specs)
+                specs.append(spec)
+                origin.append((entry, slot))
+        if not specs:
+            return published
+        fresh: list[tuple[Execution, str, float | None]] = []
+        for (execution, created), spec, (entry, _slot) in zip(ledger.create_many(specs), specs, origin, strict=True):
+            if created:
+                fresh.append((execution, spec.celery_task_id, None))
+            elif (execution.task_name, execution.args, execution.kwargs) != (spec.task_name, spec.args, spec.kwargs):
+                # The slot has its execution already (an earlier leader published it with the
+                # job's arguments of then): nothing is lost.
+                log.warning(
+                    "schedule entry %r slot %s already has execution %d, with other arguments",
+                    entry.name, spec.idempotency_key, execution.pk,
+                )  # fmt: skip
+        publish_many_on_commit(fresh)
+        return published + len(fresh)
+
+    def _send_plain(self, entry: SlotEntry, key: str, lease: Lease) -> None:
+        """A plain Celery entry (no ledger row): its message, stamped with the slot and the
+        leader's fencing token, is sent when the transaction commits."""
+        headers = {**entry.options.get("headers", {}), "tp_slot": key, "tp_fencing_token": lease.token}
+        options = {**entry.options, "headers": headers}
+        transaction.on_commit(lambda: self.app.send_task(entry.task, entry.args, entry.kwargs, **options), robust=True)
 
     def _dead_letter_slot(
         self, entry: SlotEntry, slot: datetime, key: str, job: JobDefinition | None, exc: SubmissionError
