@@ -166,6 +166,42 @@ def test_arguments_by_position_or_by_name_are_one_call_and_a_keyless_key_is_refu
 
 
 @pytest.mark.django_db
+def test_a_lost_attempt_rescued_or_taken_over_is_an_error_with_its_own_story() -> None:
+    """Review of issue 14: a rescued attempt after a raised one carried the raised one's
+    traceback (the rescue keeps the row's last traceback), and an attempt whose worker died
+    and whose redelivery took it over was no error at all."""
+    result = flaky_receipt.enqueue("L-1")
+    pk = int(result.id)
+
+    def attempt(worker: str) -> Any:
+        claim = ledger.claim(
+            Execution.objects.get(pk=pk), worker=worker, celery_task_id=worker, lease_seconds=60, max_attempts=5
+        )
+        assert claim is not None and claim.outcome == "claimed"
+        return claim
+
+    claim = attempt("w:1")  # raised: a retry with a traceback
+    error = f"{TransientError.__module__}.TransientError: boom"
+    assert ledger.schedule_retry(claim.execution, claim.token, delay_seconds=0, error=error,
+                                 traceback="Traceback: boom", worker="w:1")  # fmt: skip
+    attempt("w:2")  # lost: its lease runs out and the rescuer re-queues it
+    Execution.objects.filter(pk=pk).update(lease_expires_at=timezone.now() - timedelta(seconds=5))
+    assert ledger.rescue_expired(Execution.objects.get(pk=pk), max_attempts=5, now=timezone.now()) == "rescued"
+    rescued = flaky_receipt.get_result(result.id)
+    assert [e.exception_class for e in rescued.errors] == [TransientError, LeaseLostError]
+    assert rescued.errors[0].traceback == "Traceback: boom"
+    assert "Traceback: boom" not in rescued.errors[1].traceback and "w:2 lost or stalled" in rescued.errors[1].traceback
+
+    attempt("w:3")  # lost too, but a redelivery takes it over before the rescuer looks
+    Execution.objects.filter(pk=pk).update(lease_expires_at=timezone.now() - timedelta(seconds=5))
+    attempt("w:4")
+    taken = flaky_receipt.get_result(result.id)
+    assert [e.exception_class for e in taken.errors] == [TransientError, LeaseLostError, LeaseLostError]
+    assert "w:3" in taken.errors[2].traceback and "taken over by w:4" in taken.errors[2].traceback
+    assert taken.attempts == 4 and taken.worker_ids == ["w:1", "w:2", "w:3", "w:4"]
+
+
+@pytest.mark.django_db
 def test_the_result_counts_from_the_last_operator_requeue_and_names_failures_the_body_did_not_raise() -> None:
     result = hopeless.enqueue("I-1")
     pk = int(result.id)

@@ -252,3 +252,41 @@ def test_a_rescuer_pass_ends_once_its_lease_is_someone_elses(monkeypatch: pytest
     left = Execution.objects.filter(pk__in=[r.pk for r in rows], state="RUNNING").count()
     assert left == 8 - len(handled)
     get_lock_backend().force_release(MAINTENANCE_LOCK)
+
+
+def test_a_pass_stopped_by_a_lost_lease_takes_no_snapshot_and_stop_ends_a_long_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review of issue 14: a pass that ended because the lease was another's went on to take
+    the counts snapshot (two processes' snapshots at once), and ``stop()`` did not end a long
+    pass (its 30 s join ran out and the lease was not released)."""
+    from taskplatform.conf import platform_settings
+    from taskplatform.core import ledger, rescuer
+    from taskplatform.models import CountsSnapshot
+    from taskplatform.scheduling import maintenance
+    from taskplatform.scheduling.maintenance import Maintenance
+
+    rows = _expired_rows(6)
+    handled: list[int] = []
+    real = ledger.rescue_expired
+    snapshots: list[int] = []
+    monkeypatch.setattr(maintenance.CountsSnapshot, "take", classmethod(lambda cls: snapshots.append(1)))
+
+    def slow_rescue(execution: Execution, **kwargs: Any) -> str:
+        time.sleep(0.5)  # the work of a large pass (not a synchronisation)
+        handled.append(execution.pk)
+        return real(execution, **kwargs)
+
+    monkeypatch.setattr(rescuer.ledger, "rescue_expired", slow_rescue)
+    with override_settings(TASKPLATFORM_RESCUE_INTERVAL_SECONDS=1):
+        thread = Maintenance(platform_settings(), is_leading=lambda: True)
+        thread.start()
+        wait_for(lambda: len(handled) >= 1, timeout=20, what="the pass under way")
+        started = time.monotonic()
+        thread.stop()
+        stopped_in = time.monotonic() - started
+    assert not thread.is_alive() and stopped_in < 5, f"stop() waited {stopped_in:.1f} s for the pass"
+    assert len(handled) < len(rows), "the pass went on after stop()"
+    assert snapshots == [], "a pass that stopped early went on to the snapshot"
+    assert holder() is None, "the stopped thread released the lease"
+    assert CountsSnapshot.objects.count() == 0

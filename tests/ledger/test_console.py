@@ -393,6 +393,37 @@ def test_a_paused_jobs_django_celery_beat_entry_shows_it_paused() -> None:
     assert not PeriodicTask.objects.get(pk=paused.periodic_task_id).enabled
 
 
+def test_resume_never_switches_on_a_one_off_whose_time_has_passed() -> None:
+    """Review of issue 14: django-celery-beat's ``DatabaseScheduler`` switches a one-off entry
+    off once it ran; "resume" switched it on again, and that scheduler ran it a second time
+    (it keys the run on the message, not the slot)."""
+    from django_celery_beat.models import PeriodicTask
+    from django_celery_beat.schedulers import ModelEntry
+
+    from taskplatform.jobs import define_job
+
+    job, _ = define_job("once", task="testapp.effect", schedule={"at": timezone.now() + timedelta(hours=1)})
+    entry = PeriodicTask.objects.get(pk=job.periodic_task_id)
+    assert entry.one_off and entry.clocked is not None
+    entry.clocked.clocked_time = timezone.now() - timedelta(minutes=5)  # its time came, and it ran:
+    entry.clocked.save()
+    entry.enabled = False  # what DatabaseScheduler does to a one-off entry that ran
+    entry.save()
+    client = operator("pause_jobdefinition", "view_jobdefinition")
+    assert "its one-off time has passed" in client.get(JOBS).content.decode()
+    client.post(JOBS, {"action": "resume", "_selected_action": [job.pk]})
+    entry.refresh_from_db()
+    assert not entry.enabled, "resume switched a one-off that ran back on"
+    assert not ModelEntry(entry).is_due().is_due
+    # Paused and resumed the long way round: the entry stays off too.
+    client.post(JOBS, {"action": "pause", "_selected_action": [job.pk]})
+    client.post(JOBS, {"action": "resume", "_selected_action": [job.pk]})
+    entry.refresh_from_db()
+    job.refresh_from_db()
+    assert job.enabled and not entry.enabled
+    assert not OperatorAction.objects.filter(reason__contains="entry was off").exists()
+
+
 @pytest.mark.scenario(39)
 def test_run_now_twice_with_the_same_form_runs_once(figures: Any) -> None:
     job = JobDefinition.objects.create(slug="adhoc", task="testapp.effect")

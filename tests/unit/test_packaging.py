@@ -17,6 +17,14 @@ def test_the_version_is_written_once() -> None:
     assert metadata.version("taskplatform") == taskplatform.__version__
 
 
+def test_the_package_description_names_every_extra() -> None:
+    """``platform/README.md`` (the index page) listed four of the extras: a user of the
+    django-tasks backend or of tracing could not find what to install."""
+    extras = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]
+    readme = (PYPROJECT.parent / "README.md").read_text()
+    assert [name for name in extras if f"`{name}`" not in readme] == []
+
+
 def test_every_imported_dependency_is_declared_and_django_is_not_capped_below_the_next_major() -> None:
     requires = metadata.requires("taskplatform") or []
     names = {r.split(";")[0].split("<")[0].split(">")[0].split("[")[0].strip().lower() for r in requires}

@@ -98,7 +98,8 @@ class PlatformSettings:
     beat_catch_up_window_seconds: float = 3600.0
     #: Most slots one publication transaction holds (larger backlogs take several).
     beat_batch_size: int = 500
-    #: Terminal executions older than this many days are deleted by the beat leader (0: keep).
+    #: Terminal executions older than this many days are deleted by the holder of the
+    #: maintenance lease (0: keep).
     retention_days: int = 30
     #: How often the holder of the maintenance lease (the beat leader or a worker) prunes the
     #: ledger, in seconds.

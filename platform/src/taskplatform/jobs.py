@@ -222,12 +222,25 @@ def set_enabled(job: JobDefinition, enabled: bool, *, user: str, reason: str) ->
 
 
 def entry_disabled(job: JobDefinition) -> bool:
-    """Whether ``job`` is on while its django-celery-beat entry is off (switched off in
-    django-celery-beat's pages, or by django-celery-beat itself after a one-off ran): it does
-    not run, and the console says so."""
+    """Whether ``job`` is on while its django-celery-beat entry is off, switched off in
+    django-celery-beat's pages: it does not run, the console says so, and "resume" switches
+    the entry on. A one-off whose time has passed is not counted: it ran, or its time went by
+    (django-celery-beat switches it off itself), and switching it on would run it again."""
     if not job.enabled or job.periodic_task_id is None:
         return False
-    return PeriodicTask.objects.filter(pk=job.periodic_task_id, enabled=False).exists()
+    return _switchable(PeriodicTask.objects.filter(pk=job.periodic_task_id, enabled=False)).exists()
+
+
+def one_off_passed(task: PeriodicTask) -> bool:
+    """A one-off (clocked) entry whose time has passed: never switched on again from here."""
+    return task.clocked is not None and task.clocked.clocked_time <= timezone.now()
+
+
+def _switchable(entries: Any) -> Any:
+    """The entries the console may switch on: not a one-off whose time has passed. Under
+    django-celery-beat's ``DatabaseScheduler`` such an entry is due at once when it is on
+    again (it keys the run on the message, so the body runs a second time)."""
+    return entries.exclude(clocked__isnull=False, clocked__clocked_time__lte=timezone.now())
 
 
 def _mirror_to_schedule(periodic_task_id: int | None, enabled: bool) -> None:
@@ -243,7 +256,10 @@ def _mirror_to_schedule(periodic_task_id: int | None, enabled: bool) -> None:
     fields: dict[str, Any] = {"enabled": enabled, "date_changed": timezone.now()}
     if not enabled:
         fields["last_run_at"] = None
-    if PeriodicTask.objects.filter(pk=periodic_task_id).exclude(enabled=enabled).update(**fields):
+    entries = PeriodicTask.objects.filter(pk=periodic_task_id).exclude(enabled=enabled)
+    if enabled:
+        entries = _switchable(entries)  # a one-off whose time passed stays off: it would run again
+    if entries.update(**fields):
         PeriodicTasks.update_changed()
 
 

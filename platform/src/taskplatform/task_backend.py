@@ -162,10 +162,10 @@ def result_of(task: Task[Any, Any], execution: Execution, alias: str) -> TaskRes
     failures = [  # in the order they happened
         e
         for e in events
-        if e["kind"] in (EventKind.RETRY_SCHEDULED, EventKind.RESCUED, EventKind.DEAD_LETTERED)
+        if e["kind"] in (EventKind.RETRY_SCHEDULED, EventKind.RESCUED, EventKind.TAKEN_OVER, EventKind.DEAD_LETTERED)
         or (e["kind"] == EventKind.OPERATOR and e["to_state"] in (State.FAILED, State.CANCELLED))
     ]
-    for n, event in enumerate(failures, start=1):
+    for event in failures:
         error = str((event["data"] or {}).get("error", "") or event["reason"] or "")
         path = error.split(":", 1)[0]
         if event["kind"] == EventKind.OPERATOR:
@@ -174,15 +174,20 @@ def result_of(task: Task[Any, Any], execution: Execution, alias: str) -> TaskRes
             # The attempt's lease ran out (its worker died or stalled); the event's error is
             # whatever the row held before, an earlier attempt's, so the reason tells it.
             path, error = _NOT_RAISED, str(event["reason"] or "")
+        elif event["kind"] == EventKind.TAKEN_OVER:
+            # A redelivery found the attempt's owner dead (or its lease over) and claimed the
+            # next one: the attempt before it was lost, as a rescued one is.
+            owner = (event["data"] or {}).get("previous_owner") or "its worker"
+            path, error = _NOT_RAISED, f"attempt lost: {owner} died or stalled; taken over by {event['actor']}"
         elif not _CLASS_PATH.match(path):
             path = _NOT_RAISED
-        last = n == len(failures) and event["kind"] != EventKind.OPERATOR
-        errors.append(
-            TaskError(
-                exception_class_path=path,
-                traceback=execution.last_traceback if last and execution.last_traceback else error,
-            )
-        )
+        errors.append(TaskError(exception_class_path=path, traceback=error))
+    # The row's traceback is the last raised failure's (a rescue carries it forward; a lost
+    # attempt or an operator's decision has none of its own): it goes with that failure.
+    raised = [i for i, e in enumerate(errors) if e.exception_class_path not in (_NOT_RAISED, _BY_OPERATOR)]
+    if raised and execution.last_traceback:
+        errors[raised[-1]] = TaskError(exception_class_path=errors[raised[-1]].exception_class_path,
+                                       traceback=execution.last_traceback)  # fmt: skip
     claims = [e for e in events if e["kind"] in (EventKind.CLAIMED, EventKind.TAKEN_OVER)]
     owners = [e["actor"] for e in claims][: execution.attempts]
     owners += [execution.worker] * (execution.attempts - len(owners))

@@ -390,6 +390,8 @@ class JobDefinitionAdmin(admin.ModelAdmin):
         if not obj.enabled:
             return "paused"
         task = obj.periodic_task
+        if task is not None and jobs.one_off_passed(task):
+            return "no: its one-off time has passed"
         if task is not None and not task.enabled:
             return "no: its django-celery-beat entry is off (resume it to run it)"
         return "yes"
@@ -400,7 +402,7 @@ class JobDefinitionAdmin(admin.ModelAdmin):
             self.message_user(
                 request,
                 "This job does not run: its django-celery-beat entry is off (switched off on django-celery-beat's "
-                "Periodic tasks page, or after a one-off ran). Resume it from the job list to switch the entry on.",
+                "Periodic tasks page). Resume it from the job list to switch the entry on.",
                 messages.WARNING,
             )
         return super().change_view(request, object_id, form_url, extra_context)

@@ -104,6 +104,11 @@ class Maintenance(threading.Thread):
         self.is_leading = lambda: is_leading() and self.lease.holds()
         self._stop_event = threading.Event()
 
+    def _keep_going(self) -> bool:
+        """Asked between rows of a pass: renews the lease when due; False once it is
+        another's, or once ``stop()`` was called (a long pass must not outlast the join)."""
+        return not self._stop_event.is_set() and self.is_leading()
+
     def stop(self) -> None:
         """Stop after the current pass (joined, so its database connection is closed)."""
         self._stop_event.set()
@@ -127,7 +132,9 @@ class Maintenance(threading.Thread):
             try:
                 if now >= next_rescue:
                     next_rescue = now + self.conf.rescue_interval_seconds
-                    run_rescuer(keep_going=self.is_leading)  # renews the lease during a long pass
+                    run_rescuer(keep_going=self._keep_going)  # renews the lease during a long pass
+                    if not self._keep_going():
+                        continue  # the lease is another's now (or this thread is stopping)
                 if now >= next_count:
                     next_count = now + self.conf.counts_interval_seconds
                     CountsSnapshot.take()
