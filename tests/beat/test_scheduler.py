@@ -491,6 +491,36 @@ def test_a_slot_that_cannot_be_submitted_is_dead_lettered_and_an_operator_retry_
     assert list(EffectRaw.objects.filter(phase="started").values_list("key", flat=True)) == [first.idempotency_key]
 
 
+def test_a_batch_publishes_its_new_slots_once_and_not_a_slot_whose_execution_exists(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    """The slots of a tick go into the ledger in one ``create_many`` and out in one pipeline;
+    per slot, ``submit()``'s rule holds: a slot whose key already names an execution (an
+    earlier leader recorded it, with the job's arguments of then or of now) is not published
+    again, and the other slots of the same batch are published once each."""
+    import redis
+
+    every_second_job("kept", args=[1])
+    every_second_job("fresh", args=[2])
+    start = timezone.now().replace(microsecond=0) + timedelta(seconds=1)
+    earlier = []
+    for i in range(6):  # the next six slots of "kept" exist already: three as now, three with old arguments
+        spec = ledger.NewExecution(
+            idempotency_key=f"kept@{format_slot(start + timedelta(seconds=i))}", task_name="testapp.effect",
+            args=[1] if i < 3 else [0], kwargs={}, trigger="beat",
+        )  # fmt: skip
+        earlier.append(ledger.create(spec)[0].pk)
+    leader = schedulers()
+    run_beat(leader, seconds=4.5)
+    assert list(Execution.objects.filter(pk__in=earlier).values_list("publish_count", flat=True)) == [0] * 6
+    assert Execution.objects.filter(idempotency_key__startswith="kept@").count() >= 6
+    fresh = Execution.objects.filter(idempotency_key__startswith="fresh@")
+    assert fresh.count() >= 3 and set(fresh.values_list("publish_count", flat=True)) == {1}
+    new_kept = Execution.objects.filter(idempotency_key__startswith="kept@").exclude(pk__in=earlier)
+    messages = redis.Redis.from_url(broker_url()).llen("celery")
+    assert messages == fresh.count() + new_kept.count() == leader.stats.published, "one message per new slot"
+
+
 # --- a drop-in for django-celery-beat users -----------------------------------------------------
 
 
