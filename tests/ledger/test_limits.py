@@ -306,3 +306,36 @@ def test_two_slots_freed_together_wake_two_waiters_not_one_twice():
     assert counts == {first.pk: 2, second.pk: 2}, "each woken once"
     assert not ledger.wake_waiter(task_name="testapp.limited", actor="n", reason=""), "both are on their way"
     assert ledger.count_waiting(task_name="testapp.limited") == 2
+
+
+def test_a_body_does_not_start_when_its_lease_ran_out_while_the_slots_were_taken(locmem, monkeypatch):
+    """Review of issue 15: the slots are taken after the claim and before the lease keeper
+    watches the attempt; a lock server slow to answer (Redlock with a stalled node, many slot
+    names) outlasted the lease, the rescuer re-queued the row, another attempt claimed it, and
+    the first attempt's body still started: two bodies for one execution. The attempt now
+    renews its lease once the slots are taken and starts the body only if that succeeds."""
+    from tests.testapp.models import Span
+    from tests.testapp.tasks import limited
+
+    Limit.objects.create(task_name="testapp.limited", concurrency=5)
+    limits.rules.reset()
+    execution = new("slow-slots")
+    real_acquire = limits.acquire
+    taken_over: list[int] = []
+
+    def slow_acquire(rules, row, **kwargs):
+        held = real_acquire(rules, row, **kwargs)
+        # Meanwhile the lease ran out, the rescuer re-queued the row and another worker claimed it.
+        Execution.objects.filter(pk=row.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+        assert ledger.rescue_expired(Execution.objects.get(pk=row.pk), max_attempts=3, now=timezone.now()) == "rescued"
+        other = claim(Execution.objects.get(pk=row.pk), Execution.objects.get(pk=row.pk).celery_task_id)
+        taken_over.append(other.token)
+        return held
+
+    monkeypatch.setattr(limits, "acquire", slow_acquire)
+    limited.apply(task_id="m-0", headers={"tp_execution": execution.pk})
+    assert taken_over, "the scenario ran"
+    assert Span.objects.filter(key="slow-slots").count() == 0, "the stale attempt's body started"
+    row = Execution.objects.get(pk=execution.pk)
+    assert row.state == State.RUNNING and row.fencing_token == taken_over[0], "the newer attempt keeps the row"
+    assert "lease_lost" in kinds(row)

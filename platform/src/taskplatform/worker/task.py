@@ -472,6 +472,18 @@ class IdempotentTask(Task):
             if isinstance(taken, limits.Refusal):
                 return self._wait_for_limit(request, execution, token, taken, worker)
             held = taken
+            # Taking the slots may have outlasted the lease (a lock server slow to answer, many
+            # slot names on Redlock): the rescuer may have re-queued the row and another attempt
+            # claimed it. The body starts only while this attempt still holds a live lease.
+            if not ledger.renew_lease(execution.pk, token, claim.lease_seconds):
+                limits.release(held, worker=worker)
+                ledger.record_lease_lost(execution.pk, token, worker)
+                log.warning(
+                    "lease lost while taking the limits' slots; the body does not start",
+                    extra={"execution_id": execution.pk, "fencing_token": token},
+                )
+                request.tp_outcome = "stale: the lease ran out while the limits' slots were taken"
+                return None
         request.tp_execution = execution
         request.retries = execution.attempts - 1
         watch = leases.lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker)
