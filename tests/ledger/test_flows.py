@@ -221,3 +221,87 @@ def test_a_builder_that_changes_its_input_changes_nothing_stored():
     run = submit_flow(flow, key="order:g1", input={"order": "g1"})
     assert FlowRun.objects.get(pk=run.pk).input == {"order": "g1"}
     assert submit_flow(flow, key="order:g1", input={"order": "g1"}).pk == run.pk, "the same start again"
+
+
+# --- review of issue 15 (round 2): a step stopped while it ran ---------------------------------
+
+
+def _running(execution: Execution, *, max_attempts: int = 3) -> ledger.Claim:
+    c = ledger.claim(
+        execution, worker="n:1", celery_task_id=execution.celery_task_id, lease_seconds=30, max_attempts=max_attempts
+    )
+    assert c is not None and c.outcome == "claimed"
+    return c
+
+
+def test_a_step_stopped_while_running_is_undone_too_once_its_lease_has_ended():
+    """Cancelling a running step started the compensations at once, beside a body that may
+    still run until its lease ends, and never undid the step itself, whose non-atomic effect
+    may have happened. The run now waits for the fence, then compensates the stopped step
+    first."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    run = submit_flow(TEST_FLOW, key="order:doubt", input={"order": "doubt"})
+    succeed(step_row(run, 0, "a"), None)
+    _running(step_row(run, 1, "b"))
+    ledger.operator_transition(step_row(run, 1, "b").pk, State.CANCELLED, user="ops", reason="stuck gateway")
+    fence = Execution.objects.get(pk=step_row(run, 1, "b").pk).lease_expires_at
+    assert fence is not None and fence > timezone.now()
+    flows.advance(run.pk)
+    run.refresh_from_db()
+    assert run.state == FlowState.RUNNING and "once its lease ends" in run.error
+    assert run.check_at is not None and run.check_at >= fence
+    assert not Execution.objects.filter(flow_id=run.pk, idempotency_key__endswith=":undo").exists(), (
+        "a compensation was submitted beside a body that may still run"
+    )
+    Execution.objects.filter(pk=step_row(run, 1, "b").pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    flows.advance(run.pk)
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATING and run.failed_step == "b"
+    undo_b = step_row(run, 1, "b", undo=True)  # the stopped step first: it may have done its work
+    assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:0:a:undo").exists()
+    succeed(undo_b, None)
+    succeed(step_row(run, 0, "a", undo=True), None)
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATED
+
+
+def test_a_step_the_rescuer_dead_lettered_is_undone_too():
+    """A step whose worker was lost with no attempt left is dead-lettered by the rescuer: it may
+    have done its work, so its own compensation runs before the earlier steps'."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    run = submit_flow(TEST_FLOW, key="order:lost", input={"order": "lost"})
+    succeed(step_row(run, 0, "a"), None)
+    b = step_row(run, 1, "b")
+    _running(b, max_attempts=1)
+    Execution.objects.filter(pk=b.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1), max_attempts=1)
+    assert ledger.rescue_expired(Execution.objects.get(pk=b.pk), max_attempts=1, now=timezone.now()) == "dead_lettered"
+    flows.advance(run.pk)
+    assert step_row(run, 1, "b", undo=True).state == State.PENDING
+    assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:0:a:undo").exists()
+
+
+def test_a_failed_step_of_a_run_that_compensates_cannot_be_marked_succeeded():
+    """Review of issue 15: "mark succeeded" on the failed step was accepted; the run ended
+    COMPENSATED with that step SUCCEEDED, never undone, and its next step never ran."""
+    from taskplatform.console import interventions
+
+    run = submit_flow(TEST_FLOW, key="order:ms", input={"order": "ms"})
+    succeed(step_row(run, 0, "a"), None)
+    fail(step_row(run, 1, "b"))
+    b = step_row(run, 1, "b")
+    outcome = interventions.apply("mark_succeeded", {b.pk: "FAILED"}, user="ops", reason="done by hand")
+    assert b.pk in outcome.refused and "would never be undone" in outcome.refused[b.pk]
+    assert Execution.objects.get(pk=b.pk).state == State.FAILED
+    undo_a = step_row(run, 0, "a", undo=True)
+    fail(undo_a)  # the compensation dead-letters; it is done by hand and marked so
+    assert interventions.apply("mark_succeeded", {undo_a.pk: "FAILED"}, user="ops", reason="refunded").changed == [
+        undo_a.pk
+    ]
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATED

@@ -69,17 +69,18 @@ def apply(action_name: str, expected: dict[int, str], *, user: str, reason: str,
     outcome = Outcome()
     for execution_id, seen_as in expected.items():
         seen, _, token = seen_as.partition(":")
-        if action.target == State.PENDING:
-            row = Execution.objects.filter(pk=execution_id).first()
-            refusal = flows.operator_may_requeue(row) if row is not None else None
-            if refusal is not None:
-                outcome.refused[execution_id] = refusal
-                continue
+        row = Execution.objects.filter(pk=execution_id).only("pk", "flow_id", "idempotency_key").first()
         try:
-            execution = ledger.operator_transition(
-                execution_id, action.target, user=user, reason=reason.strip(), expected_state=seen,
-                expected_token=int(token) if token.isdigit() else None,
-            )  # fmt: skip
+            # A flow's step: the check and the transition under the run's lock (``advance``
+            # cannot move the run on between them).
+            with flows.operator_acting(row, action.target) as refusal:
+                if refusal is not None:
+                    outcome.refused[execution_id] = refusal
+                    continue
+                execution = ledger.operator_transition(
+                    execution_id, action.target, user=user, reason=reason.strip(), expected_state=seen,
+                    expected_token=int(token) if token.isdigit() else None,
+                )  # fmt: skip
         except (IllegalTransitionError, LedgerError) as exc:
             outcome.refused[execution_id] = str(exc)
             continue

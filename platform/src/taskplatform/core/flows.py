@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping
-from datetime import timedelta
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
@@ -213,6 +214,13 @@ def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
                 run.results = results
                 continue
             if execution.state in (State.FAILED, State.CANCELLED):
+                fence = _open_fence(execution)
+                if fence is not None:
+                    # Stopped while it ran (an operator's cancel or "mark failed"): its body may
+                    # still be running until its last lease ends. Nothing is undone beside it.
+                    run.error = f"step {step.name} was stopped while running; compensating once its lease ends"
+                    run.check_at = fence + timedelta(seconds=1)
+                    return
                 run.state = FlowState.COMPENSATING
                 run.failed_step = step.name
                 run.error = execution.last_error or f"step {step.name} was {execution.state.lower()}"
@@ -226,7 +234,12 @@ def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
             run.check_at = None
             return
     failed_at = flow.index(run.failed_step) if run.failed_step else len(flow.steps)
-    for j in range(failed_at - 1, -1, -1):
+    first = failed_at - 1
+    if failed_at < len(flow.steps):
+        failed = found.get(step_key(run, failed_at, flow.steps[failed_at]))
+        if failed is not None and _in_doubt(failed):
+            first = failed_at  # it may have done its work before it was stopped: undo it too
+    for j in range(first, -1, -1):
         step = flow.steps[j]
         if step.compensate_name is None:
             continue
@@ -253,6 +266,32 @@ def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
     run.state = FlowState.COMPENSATED
     run.finished_at = timezone.now()
     run.check_at = None
+
+
+def _open_fence(execution: Execution) -> datetime | None:
+    """The end of the last lease of a step stopped while it ran (an operator's cancel or
+    "mark failed" keeps it on the row as a fence), while it is still ahead; else None."""
+    fence = execution.lease_expires_at
+    return fence if fence is not None and fence > timezone.now() else None
+
+
+def _in_doubt(execution: Execution) -> bool:
+    """Whether a failed step may have done its work: it did not fail by raising in its own
+    attempt (which leaves no effect, as the steps' contract says) but was stopped while it
+    ran, by an operator's cancel or "mark failed", or by the rescuer after its worker was lost
+    with no attempt left. Its compensation then runs too (compensations must be safe to run
+    for a step that did nothing)."""
+    from ..models import EventKind, ExecutionEvent
+
+    last = (
+        ExecutionEvent.objects.filter(execution_id=execution.pk, to_state__in=(State.FAILED, State.CANCELLED))
+        .order_by("-id")
+        .values("kind", "from_state", "actor")
+        .first()
+    )
+    if last is None or last["from_state"] != State.RUNNING:
+        return False
+    return last["kind"] == EventKind.OPERATOR or last["actor"] == "rescuer"
 
 
 def _submit(run: FlowRun, task_name: str, kwargs: Mapping[str, Any], key: str, on_commit: bool) -> None:
@@ -294,13 +333,29 @@ def parts(run: FlowRun) -> list[dict[str, Any]]:
     return rows
 
 
-def operator_may_requeue(execution: Execution) -> str | None:
-    """Why an operator may not put ``execution`` (a flow's step or compensation) back to
-    pending, or None. A forward step is retried only while its run still runs forward: once the
-    run compensates, or has ended, its effect would never be undone (review of the flows)."""
-    if execution.flow_id is None:
+@contextmanager
+def operator_acting(execution: Execution | None, target: str) -> Iterator[str | None]:
+    """Around an operator's transition of ``execution``: why it is refused (or None), with the
+    execution's flow run locked until the block ends, so the run cannot move on between the
+    check and the transition (``advance`` takes the same lock)."""
+    if execution is None or execution.flow_id is None:
+        yield None
+        return
+    with transaction.atomic():
+        run = FlowRun.objects.select_for_update().filter(pk=execution.flow_id).first()
+        yield operator_may(execution, target, run)
+
+
+def operator_may(execution: Execution, target: str, run: FlowRun | None = None) -> str | None:
+    """Why an operator may not move ``execution`` (a flow's step or compensation) to
+    ``target``, or None. A forward step is retried, or marked succeeded, only while its run
+    still runs forward: once the run compensates, or has ended, a retried step's effect would
+    never be undone, and a step marked succeeded would neither be undone nor let the run on
+    (review of the flows). Stopping one (cancel, mark failed) is always allowed."""
+    if execution.flow_id is None or target not in (State.PENDING, State.SUCCEEDED):
         return None
-    run = FlowRun.objects.filter(pk=execution.flow_id).first()
+    if run is None:
+        run = FlowRun.objects.filter(pk=execution.flow_id).first()
     if run is None:
         return None
     compensation = execution.idempotency_key.endswith(":undo")
@@ -309,6 +364,11 @@ def operator_may_requeue(execution: Execution) -> str | None:
     if not compensation and run.state == FlowState.RUNNING:
         return None
     what = "compensation" if compensation else "step"
+    if target == State.SUCCEEDED:
+        return (
+            f"this {what} belongs to flow run {run.pk}, which is {run.get_state_display()}: "
+            "marking it succeeded now would never be undone"
+        )
     return (
         f"this {what} belongs to flow run {run.pk}, which is {run.get_state_display()}: "
         "running it again now would not be undone"
