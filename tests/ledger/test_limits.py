@@ -339,3 +339,27 @@ def test_a_body_does_not_start_when_its_lease_ran_out_while_the_slots_were_taken
     row = Execution.objects.get(pk=execution.pk)
     assert row.state == State.RUNNING and row.fencing_token == taken_over[0], "the newer attempt keeps the row"
     assert "lease_lost" in kinds(row)
+
+
+def test_the_concurrency_backstop_of_a_long_queue_keeps_the_claims_few(locmem):
+    """Review of issue 15: every waiter came back every 15 to 22 s whatever the backlog: with a
+    slot held for a minute, 100 waiters made 302 claims and 302 wait events in 50 s. The
+    backstops are now spread over a window that grows with the queue, so together they come at
+    about the same pace as for one waiter (a wake still comes at once when a slot frees)."""
+    Limit.objects.create(task_name="testapp.limited", concurrency=1)
+    limits.rules.reset()
+    holder = claim(new("holder"))
+    rules = limits.rules_for(holder.execution)
+    assert isinstance(limits.acquire(rules, holder.execution, lease_seconds=60, worker="n"), limits.Held)
+    delays = []
+    for i in range(100):
+        c = claim(new(f"queued-{i}"))
+        refusal = limits.acquire(rules, c.execution, lease_seconds=60, worker="n")
+        assert isinstance(refusal, limits.Refusal) and refusal.kind == "concurrency"
+        assert limits.wait(c.execution, c.token, refusal, worker="n")
+        delays.append(refusal.delay_seconds)
+    assert min(delays) >= 15
+    # The pace of their backstop claims, once the queue is long: one a waiter per its delay.
+    late = delays[50:]
+    claims_per_second = sum(1 / d for d in late)
+    assert claims_per_second < 0.5, f"{claims_per_second:.2f} backstop claims a second for 50 waiters"

@@ -205,8 +205,14 @@ def acquire(applicable: Sequence[Rule], execution: Execution, *, lease_seconds: 
 def _full(rule: Rule, kind: str, execution: Execution, lease_seconds: int) -> Refusal:
     if kind == "concurrency":
         # Woken by the next holder to finish; the delay only covers holders that die (their
-        # slot frees when their lease runs out) and wakes that were lost.
-        delay = min(float(lease_seconds), CONCURRENCY_BACKSTOP_SECONDS) * random.uniform(1.0, 1.5)
+        # slot frees when their lease runs out) and wakes that were lost. Spread over a window
+        # that grows with the backlog: the waiters' backstop claims then come at about the
+        # same pace however many wait (a fixed 15-22 s made 100 waiters cost 6 claims a second
+        # with the slot held throughout), and the first of them still comes within about the
+        # base delay of a lost wake.
+        base = min(float(lease_seconds), CONCURRENCY_BACKSTOP_SECONDS)
+        spread = max(0.5, waiting_count(rule) / max(1, rule.concurrency or 1))
+        delay = base * (1.0 + random.uniform(0.0, spread))
         return Refusal(rule, kind, delay, f"concurrency limit of {rule.scope} reached: {rule.concurrency} running")
     waiting = waiting_count(rule)
     drain = rule.per_seconds * max(1.0, (waiting + 1) / max(1, rule.rate or 1))
