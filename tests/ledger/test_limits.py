@@ -363,3 +363,30 @@ def test_the_concurrency_backstop_of_a_long_queue_keeps_the_claims_few(locmem):
     late = delays[50:]
     claims_per_second = sum(1 / d for d in late)
     assert claims_per_second < 0.5, f"{claims_per_second:.2f} backstop claims a second for 50 waiters"
+
+
+def test_a_limit_its_backend_could_never_grant_is_refused(settings):
+    """Review of issue 15: a rate window (or a lease) longer than Redlock's ``max_ttl_seconds``
+    was accepted, and then every acquire failed and every execution of the task waited for
+    good. Nothing here talks to the nodes: building the backend reads its options only."""
+    from taskplatform.backends import get_lock_backend
+
+    urls = [f"redis://127.0.0.1:{port}/0" for port in (1, 2, 3)]  # never contacted
+    settings.TASKPLATFORM_LOCK_BACKENDS = {
+        "default": {"BACKEND": "taskplatform.backends.db.DatabaseLockBackend"},
+        "quorum": {"BACKEND": "taskplatform.backends.redlock.RedlockLockBackend",
+                   "OPTIONS": {"urls": urls, "max_ttl_seconds": 30}},
+    }  # fmt: skip
+    get_lock_backend.cache_clear()
+    try:
+        with pytest.raises(ValidationError) as caught:
+            limits.save_limit(Limit(task_name="testapp.limited", rate=100, per_seconds=60, backend="quorum"), user="o")
+        assert "max_ttl_seconds=30" in " ".join(caught.value.message_dict["per_seconds"])
+        job, _ = define_job("long-lease", task="testapp.limited", lease_seconds=45)  # the tests' lease is 6 s
+        with pytest.raises(ValidationError) as caught:
+            limits.save_limit(Limit(job=job, concurrency=2, backend="quorum"), user="o")
+        assert "lease (45 s)" in " ".join(caught.value.message_dict["concurrency"])
+        limits.save_limit(Limit(task_name="testapp.limited", rate=100, per_seconds=10, backend="quorum"), user="o")
+        assert Limit.objects.count() == 1
+    finally:
+        get_lock_backend.cache_clear()

@@ -417,6 +417,40 @@ def limit_errors(limit: Limit) -> dict[str, str]:
         backend_config(limit.backend)
     except ConfigurationError as exc:
         errors["backend"] = str(exc)
+        return errors
+    errors.update(_ttl_errors(limit))
+    return errors
+
+
+def _ttl_errors(limit: Limit) -> dict[str, str]:
+    """A slot longer than its backend grants (Redlock's ``max_ttl_seconds``): such a limit was
+    accepted and then never granted, and every execution it bounds waited for good."""
+    from ..backends import get_lock_backend
+    from ..conf import platform_settings
+    from ..core.validation import registered_task
+
+    try:
+        most = getattr(get_lock_backend(limit.backend), "max_ttl_seconds", None)
+    except Exception:  # a backend that cannot be built: reported by the system checks (E020/E021)
+        return {}
+    if not most:
+        return {}
+    errors: dict[str, str] = {}
+    if limit.rate and limit.per_seconds and limit.per_seconds + RATE_MARGIN_SECONDS > most:
+        errors["per_seconds"] = (
+            f"a start slot is held for the window ({limit.per_seconds:g} s) plus {RATE_MARGIN_SECONDS:g} s, longer "
+            f"than backend {limit.backend!r} grants (max_ttl_seconds={most:g}): shorten the window or raise it"
+        )
+    if limit.concurrency:
+        job = limit.job if limit.job_id else None
+        task = registered_task(job.task if job is not None else limit.task_name)
+        lease_for = getattr(task, "lease_for", None)
+        lease = lease_for(job) if lease_for is not None else platform_settings().lease_seconds
+        if lease > most:
+            errors["concurrency"] = (
+                f"a running slot lives as long as the attempt's lease ({lease} s), longer than backend "
+                f"{limit.backend!r} grants (max_ttl_seconds={most:g}): shorten the lease or raise it"
+            )
     return errors
 
 
