@@ -189,10 +189,22 @@ def lateness_of_ledger(since: datetime) -> dict[str, float]:
     }
 
 
-def run_load(kind: str, n: int, seconds: float, mix: bool = False) -> dict[str, Any]:
+def wait_for_boundary(through: float, lead: float = 25.0) -> datetime:
+    """Sleep until ``lead`` seconds before the next multiple of ``through`` seconds (UTC) that
+    is at least ``lead`` away, and return that boundary: a run started then spans it."""
+    now = time.time()
+    boundary = (now // through + 1) * through
+    if boundary - now < lead:
+        boundary += through
+    time.sleep(max(0.0, boundary - lead - time.time()))
+    return datetime.fromtimestamp(boundary, UTC)
+
+
+def run_load(kind: str, n: int, seconds: float, mix: bool = False, through: float = 0) -> dict[str, Any]:
     reset()
     _MADE.clear()
     populate(kind, n, every=60, mix=mix)
+    boundary = wait_for_boundary(through) if through else None
     t0 = time.perf_counter()
     scheduler = build(kind)
     interval = scheduler.tick()
@@ -225,6 +237,8 @@ def run_load(kind: str, n: int, seconds: float, mix: bool = False) -> dict[str, 
         "needed_per_s": round(needed_per_second(n, mix), 1),
         "mix": mix,
     }
+    if boundary is not None:
+        result["through"] = boundary.isoformat()
     if kind == "locked":
         result.update(lateness_of_ledger(started_wall))
     return result
@@ -327,6 +341,11 @@ def main() -> None:
     parser.add_argument("--skip-failover", action="store_true")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--mix", action="store_true", help="the mixed schedule (schedule_of), locked only")
+    parser.add_argument(
+        "--through", type=float, default=0,
+        help="start each load run 25 s before the next multiple of this many seconds (UTC), so it spans it: "
+        "600 takes in the burst of the mix's 10-minute jobs, 3600 the hourly ones too",
+    )  # fmt: skip
     args = parser.parse_args()
 
     from run import ensure_database  # bench/run.py
@@ -344,7 +363,7 @@ def main() -> None:
     loads = []
     for n in (int(x) for x in args.jobs.split(",")):
         for kind in kinds:
-            result = run_load(kind, n, args.seconds, mix=args.mix and kind == "locked")
+            result = run_load(kind, n, args.seconds, mix=args.mix and kind == "locked", through=args.through)
             loads.append(result)
             print(json.dumps(result), flush=True)
     failovers = []
