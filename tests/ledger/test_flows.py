@@ -305,3 +305,77 @@ def test_a_failed_step_of_a_run_that_compensates_cannot_be_marked_succeeded():
     ]
     run.refresh_from_db()
     assert run.state == FlowState.COMPENSATED
+
+
+def _expire(execution: Execution) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    Execution.objects.filter(pk=execution.pk).update(
+        lease_expires_at=timezone.now() - timedelta(seconds=1), scheduled_for=None
+    )
+
+
+def _compensates_b_first(run: FlowRun) -> None:
+    flows.advance(run.pk)
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATING and run.failed_step == "b"
+    assert step_row(run, 1, "b", undo=True).state == State.PENDING, "the step that may have done its work is undone"
+    assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:0:a:undo").exists()
+
+
+@pytest.mark.parametrize("history", ["taken_over_exhausted", "lost_then_raised", "rescued_then_cancelled",
+                                     "stopped_retried_cancelled"])  # fmt: skip
+def test_a_step_with_a_lost_or_stopped_attempt_anywhere_in_its_history_is_undone_too(history):
+    """Review of issue 15 (round 3): only the last event was judged. A pool child killed on its
+    last attempt, whose redelivery took it over and found the attempts spent (a dead letter by
+    a worker, not the rescuer), was never undone; nor a lost attempt followed by one that
+    raised, nor a rescued one then cancelled, nor one stopped while running, retried, then
+    cancelled."""
+    from django.utils import timezone
+
+    run = submit_flow(TEST_FLOW, key=f"order:{history}", input={"order": history})
+    succeed(step_row(run, 0, "a"), None)
+    b = step_row(run, 1, "b")
+    if history == "taken_over_exhausted":
+        _running(b, max_attempts=1)
+        _expire(b)
+        again = ledger.claim(Execution.objects.get(pk=b.pk), worker="n:2", celery_task_id=b.celery_task_id,
+                             lease_seconds=30, max_attempts=1)  # fmt: skip
+        assert again.outcome == "exhausted"
+    elif history == "lost_then_raised":
+        _running(b)
+        _expire(b)
+        assert ledger.rescue_expired(Execution.objects.get(pk=b.pk), max_attempts=3, now=timezone.now()) == "rescued"
+        _expire(b)
+        c = _running(Execution.objects.get(pk=b.pk))
+        ledger.dead_letter(c.execution, c.token, error="E: declined", traceback="", worker="n:1")
+    elif history == "rescued_then_cancelled":
+        _running(b)
+        _expire(b)
+        assert ledger.rescue_expired(Execution.objects.get(pk=b.pk), max_attempts=3, now=timezone.now()) == "rescued"
+        ledger.operator_transition(b.pk, State.CANCELLED, user="ops", reason="customer called")
+    else:
+        _running(b)
+        ledger.operator_transition(b.pk, State.FAILED, user="ops", reason="stuck")
+        ledger.operator_transition(b.pk, State.PENDING, user="ops", reason="try again")
+        ledger.operator_transition(b.pk, State.CANCELLED, user="ops", reason="give up")
+        _expire(b)  # the stopped attempt's lease (the fence) has ended
+    _compensates_b_first(run)
+
+
+def test_a_step_that_raised_on_its_own_is_not_undone():
+    """The contract: a step that fails by raising in its own attempts leaves no effect; only the
+    steps before it are compensated."""
+    run = submit_flow(TEST_FLOW, key="order:clean-failure", input={"order": "clean-failure"})
+    succeed(step_row(run, 0, "a"), None)
+    b = step_row(run, 1, "b")
+    c = _running(b)
+    assert ledger.schedule_retry(c.execution, c.token, delay_seconds=0, error="E: no", traceback="", worker="n:1")
+    _expire(b)
+    fail(Execution.objects.get(pk=b.pk))
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATING
+    assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:1:b:undo").exists()
+    assert step_row(run, 0, "a", undo=True).state == State.PENDING

@@ -338,7 +338,39 @@ def test_a_body_does_not_start_when_its_lease_ran_out_while_the_slots_were_taken
     assert Span.objects.filter(key="slow-slots").count() == 0, "the stale attempt's body started"
     row = Execution.objects.get(pk=execution.pk)
     assert row.state == State.RUNNING and row.fencing_token == taken_over[0], "the newer attempt keeps the row"
-    assert "lease_lost" in kinds(row)
+    assert "stale_write_rejected" in kinds(row)
+
+
+def test_a_lease_that_ran_out_while_the_slots_were_taken_gives_the_claim_and_the_start_back(locmem, monkeypatch):
+    """Review of issue 15 (round 3): when the lease ran out while the slots were taken and
+    nobody had acted on the row yet, the body rightly did not start, but the row was left
+    RUNNING for the rescuer, which spent the attempt (a dead letter "worker lost" for a body
+    that never ran), and the rate limit's start slot was kept. The claim is now given back
+    uncounted, the execution published again at once, and the start slot returned."""
+    from tests.testapp.models import Span
+    from tests.testapp.tasks import limited
+
+    Limit.objects.create(task_name="testapp.limited", rate=1, per_seconds=60)
+    limits.rules.reset()
+    execution = new("slow-start")
+    real_acquire = limits.acquire
+
+    def slow_acquire(rules, row, **kwargs):
+        held = real_acquire(rules, row, **kwargs)
+        Execution.objects.filter(pk=row.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+        return held  # nobody acts on the row meanwhile
+
+    monkeypatch.setattr(limits, "acquire", slow_acquire)
+    limited.apply(task_id="m-0", headers={"tp_execution": execution.pk})
+    assert Span.objects.filter(key="slow-start").count() == 0
+    row = Execution.objects.get(pk=execution.pk)
+    assert (row.state, row.attempts) == (State.WAITING, 0), "the attempt was spent on a body that never ran"
+    assert row.publish_count == execution.publish_count + 1 and row.celery_task_id != "m-0", "published again"
+    monkeypatch.setattr(limits, "acquire", real_acquire)
+    again = claim(row, row.celery_task_id)
+    assert isinstance(
+        limits.acquire(limits.rules_for(row), again.execution, lease_seconds=30, worker="n"), limits.Held
+    ), "the start slot of the start that did not happen was kept"
 
 
 def test_the_concurrency_backstop_of_a_long_queue_keeps_the_claims_few(locmem):
@@ -385,6 +417,9 @@ def test_a_limit_its_backend_could_never_grant_is_refused(settings):
         job, _ = define_job("long-lease", task="testapp.limited", lease_seconds=45)  # the tests' lease is 6 s
         with pytest.raises(ValidationError) as caught:
             limits.save_limit(Limit(job=job, concurrency=2, backend="quorum"), user="o")
+        assert "lease (45 s)" in " ".join(caught.value.message_dict["concurrency"])
+        with pytest.raises(ValidationError) as caught:  # a task's limit bounds its jobs: their leases count
+            limits.save_limit(Limit(task_name="testapp.limited", concurrency=2, backend="quorum"), user="o")
         assert "lease (45 s)" in " ".join(caught.value.message_dict["concurrency"])
         limits.save_limit(Limit(task_name="testapp.limited", rate=100, per_seconds=10, backend="quorum"), user="o")
         assert Limit.objects.count() == 1

@@ -40,13 +40,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from ..domain.flows import Flow, Step
 from ..domain.flows import registered as _declared
 from ..domain.states import State
 from ..exceptions import IdempotencyKeyConflictError, InvalidArgumentsError
-from ..models import Execution, FlowRun, FlowState, Trigger
+from ..models import Execution, FlowRun, FlowState, Trigger, UtcNow
 from . import submission
 from .validation import check_idempotency_key, encode_arguments
 
@@ -270,28 +271,30 @@ def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
 
 def _open_fence(execution: Execution) -> datetime | None:
     """The end of the last lease of a step stopped while it ran (an operator's cancel or
-    "mark failed" keeps it on the row as a fence), while it is still ahead; else None."""
+    "mark failed" keeps it on the row as a fence), while it is still ahead by the database's
+    clock (the one claims compare it with); else None."""
     fence = execution.lease_expires_at
-    return fence if fence is not None and fence > timezone.now() else None
+    if fence is None or not Execution.objects.filter(pk=execution.pk, lease_expires_at__gt=UtcNow()).exists():
+        return None
+    return fence
 
 
 def _in_doubt(execution: Execution) -> bool:
-    """Whether a failed step may have done its work: it did not fail by raising in its own
-    attempt (which leaves no effect, as the steps' contract says) but was stopped while it
-    ran, by an operator's cancel or "mark failed", or by the rescuer after its worker was lost
-    with no attempt left. Its compensation then runs too (compensations must be safe to run
-    for a step that did nothing)."""
+    """Whether a failed step may have done its work. A step that fails by raising in its own
+    attempt leaves no effect (the steps' contract); but if any attempt of its history did not
+    end that way, it may have: an attempt whose worker was lost (re-queued by the rescuer,
+    taken over by a redelivery, dead-lettered as lost), one whose lease renewal was refused,
+    or one an operator stopped while it ran. Its compensation then runs too (compensations
+    must be safe to run for a step that did nothing)."""
     from ..models import EventKind, ExecutionEvent
 
-    last = (
-        ExecutionEvent.objects.filter(execution_id=execution.pk, to_state__in=(State.FAILED, State.CANCELLED))
-        .order_by("-id")
-        .values("kind", "from_state", "actor")
-        .first()
+    history = ExecutionEvent.objects.filter(execution_id=execution.pk)
+    lost = Q(kind__in=(EventKind.RESCUED, EventKind.TAKEN_OVER, EventKind.LEASE_LOST))
+    stopped = Q(kind=EventKind.OPERATOR, from_state=State.RUNNING)
+    dead_as_lost = Q(kind=EventKind.DEAD_LETTERED, from_state=State.RUNNING) & (
+        Q(actor="rescuer") | Q(data__attempt_lost=True) | Q(data__error__icontains="was lost")
     )
-    if last is None or last["from_state"] != State.RUNNING:
-        return False
-    return last["kind"] == EventKind.OPERATOR or last["actor"] == "rescuer"
+    return history.filter(lost | stopped | dead_as_lost).exists()
 
 
 def _submit(run: FlowRun, task_name: str, kwargs: Mapping[str, Any], key: str, on_commit: bool) -> None:

@@ -414,8 +414,9 @@ def claim(
             if takeover:
                 reason += f"; the last attempt's worker {previous_owner} was lost"
             if _dead_letter(
-                execution, actor=worker, actor_kind=Actor.WORKER, error=reason, traceback="", only_if=only_if
-            ):
+                execution, actor=worker, actor_kind=Actor.WORKER, error=reason, traceback="", only_if=only_if,
+                attempt_lost=takeover,
+            ):  # fmt: skip
                 return Claim("exhausted", execution)
         else:
             if state == State.RETRYING:
@@ -851,8 +852,18 @@ def dead_letter(execution: Execution, token: int, *, error: str, traceback: str,
 
 
 def _dead_letter(
-    execution: Execution, *, actor: str, actor_kind: Actor, error: str, traceback: str, only_if: Sequence[Q] = ()
+    execution: Execution,
+    *,
+    actor: str,
+    actor_kind: Actor,
+    error: str,
+    traceback: str,
+    only_if: Sequence[Q] = (),
+    attempt_lost: bool = False,
 ) -> bool:
+    """``attempt_lost``: the last attempt did not end by its own worker recording an outcome
+    (its worker was lost); noted in the event, for the flows (``core/flows.py``: such a step
+    may have done its work)."""
     source = execution.state
     find_transition(source, State.FAILED, actor_kind)
     now = timezone.now()
@@ -881,7 +892,7 @@ def _dead_letter(
             from_state=source,
             to_state=State.FAILED,
             actor=actor,
-            data={"error": error[:1000]},
+            data={"error": error[:1000], **({"attempt_lost": True} if attempt_lost else {})},
             at=now,
         )
     log.warning(
@@ -935,8 +946,9 @@ def _rescue_expired(execution: Execution, *, max_attempts: int) -> str:
             f"attempts exhausted: {execution.attempts} of {max_attempts}"
         )
         done = _dead_letter(
-            execution, actor="rescuer", actor_kind=Actor.RESCUER, error=error, traceback="", only_if=[_lease_over()]
-        )
+            execution, actor="rescuer", actor_kind=Actor.RESCUER, error=error, traceback="", only_if=[_lease_over()],
+            attempt_lost=True,
+        )  # fmt: skip
         return "dead_lettered" if done else "skipped"
     done = schedule_retry(
         execution,

@@ -89,7 +89,7 @@ class Refusal:
     """Why an attempt may not start now, and how long it should wait."""
 
     rule: Rule
-    kind: str  # "concurrency" or "rate"; "unavailable" when the backend could not be asked
+    kind: str  # "concurrency" or "rate"; "unavailable" when the backend could not be asked; "lease"
     delay_seconds: float
     reason: str
 
@@ -99,6 +99,9 @@ class Held:
     """The running slots one attempt holds (released when its outcome is recorded)."""
 
     leases: list[tuple[Rule, LockBackend, Lease]] = field(default_factory=list)
+    #: The start slots of its rate limits: never released once the body started (``give_back``
+    #: returns them when it does not start after all).
+    starts: list[tuple[LockBackend, Lease]] = field(default_factory=list)
     released: bool = False
 
 
@@ -191,6 +194,7 @@ def acquire(applicable: Sequence[Rule], execution: Execution, *, lease_seconds: 
             refusal = Refusal(rule, "unavailable", backoff * random.uniform(0.5, 1.0), f"limit {rule.scope}: {why}")
             break
     if refusal is None:
+        held.starts = started
         if held.leases:
             slot_keeper().hold(held)
         return held
@@ -264,6 +268,16 @@ def release(held: Held | None, *, worker: str) -> None:
                 exc_info=True,
                 extra={"limit": rule.scope},
             )
+
+
+def give_back(held: Held, *, worker: str) -> None:
+    """Everything ``acquire`` granted, for an attempt whose body will not start after all: its
+    running slots (waking a waiter, as ``release`` does) and its start slots (no start
+    happened, so none is counted)."""
+    for backend, lease in held.starts:
+        _release_quietly(backend, lease)
+    held.starts = []
+    release(held, worker=worker)
 
 
 def _release_quietly(backend: LockBackend, lease: Lease) -> None:
@@ -442,10 +456,16 @@ def _ttl_errors(limit: Limit) -> dict[str, str]:
             f"than backend {limit.backend!r} grants (max_ttl_seconds={most:g}): shorten the window or raise it"
         )
     if limit.concurrency:
+        from ..models import JobDefinition
+
         job = limit.job if limit.job_id else None
         task = registered_task(job.task if job is not None else limit.task_name)
         lease_for = getattr(task, "lease_for", None)
-        lease = lease_for(job) if lease_for is not None else platform_settings().lease_seconds
+        # A task's limit bounds its jobs too: each job's own lease counts.
+        jobs = [job] if job is not None else list(JobDefinition.objects.filter(task=limit.task_name))
+        leases = [lease_for(None) if lease_for is not None else platform_settings().lease_seconds]
+        leases += [(lease_for(j) if lease_for is not None else j.lease_seconds) or leases[0] for j in jobs]
+        lease = max(leases) if job is None else leases[-1]
         if lease > most:
             errors["concurrency"] = (
                 f"a running slot lives as long as the attempt's lease ({lease} s), longer than backend "

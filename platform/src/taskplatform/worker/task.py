@@ -476,14 +476,16 @@ class IdempotentTask(Task):
             # slot names on Redlock): the rescuer may have re-queued the row and another attempt
             # claimed it. The body starts only while this attempt still holds a live lease.
             if not ledger.renew_lease(execution.pk, token, claim.lease_seconds):
-                limits.release(held, worker=worker)
-                ledger.record_lease_lost(execution.pk, token, worker)
+                limits.give_back(held, worker=worker)
                 log.warning(
-                    "lease lost while taking the limits' slots; the body does not start",
+                    "lease ran out while the limits' slots were taken; the body does not start",
                     extra={"execution_id": execution.pk, "fencing_token": token},
                 )
-                request.tp_outcome = "stale: the lease ran out while the limits' slots were taken"
-                return None
+                # If nobody has acted on the row yet, the claim is given back uncounted and the
+                # execution is published again at once (no attempt spent on a body that never
+                # ran); if the rescuer or another attempt has, the wait is refused as stale.
+                late = limits.Refusal(applicable[0], "lease", 0.0, "the lease ran out while the slots were taken")
+                self._wait_for_limit(request, execution, token, late, worker)
         request.tp_execution = execution
         request.retries = execution.attempts - 1
         watch = leases.lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker)
