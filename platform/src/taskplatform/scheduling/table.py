@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
 from django.db.models import Count, F, Max, Q, Sum
@@ -89,20 +90,34 @@ _JOB_FIELDS = ("id", "slug", "enabled", "misfire_policy", "catch_up_window_secon
 
 
 def _digest(row: dict[str, Any], job: dict[str, Any] | None) -> str:
-    payload = json.dumps([row, job], sort_keys=True, default=str)
+    """What a row and its job hold, to tell a changed entry from an unchanged one within this
+    process (never stored): their values in the query's field order. ``repr`` of the values,
+    not JSON with sorted keys: a third of the first load's time at 100,000 entries."""
+    payload = repr((tuple(row.values()), tuple(job.values()) if job is not None else None))
     return hashlib.blake2b(payload.encode(), digest_size=12).hexdigest()
+
+
+@lru_cache(maxsize=65_536)
+def _crontab(minute: str, hour: str, day_of_month: str, month_of_year: str, day_of_week: str, zone: str) -> Crontab:
+    """One ``Crontab`` per distinct expression and zone (immutable, so shared): 100,000 entries
+    of the scale mix use 8,640 crontabs, and parsing each entry's cost a fifth of the first
+    load. A bad expression raises each time (exceptions are not cached)."""
+    return Crontab(
+        minute=minute, hour=hour, day_of_month=day_of_month, month_of_year=month_of_year,
+        day_of_week=day_of_week, timezone=zone,
+    )  # fmt: skip
 
 
 def build_schedule(row: dict[str, Any]) -> Schedule:
     """The ``slots.Schedule`` of one ``PeriodicTask`` row (as ``values()`` returns it)."""
     if row["crontab__minute"] is not None:
-        return Crontab(
-            minute=row["crontab__minute"],
-            hour=row["crontab__hour"],
-            day_of_month=row["crontab__day_of_month"],
-            month_of_year=row["crontab__month_of_year"],
-            day_of_week=row["crontab__day_of_week"],
-            timezone=str(row["crontab__timezone"]),
+        return _crontab(
+            row["crontab__minute"],
+            row["crontab__hour"],
+            row["crontab__day_of_month"],
+            row["crontab__month_of_year"],
+            row["crontab__day_of_week"],
+            str(row["crontab__timezone"]),
         )
     if row["interval__every"] is not None:
         seconds = row["interval__every"] * PERIOD_SECONDS[row["interval__period"]]
