@@ -160,12 +160,13 @@ def first_publication_after(job: JobDefinition, moment: datetime) -> datetime | 
 # --- scenario 22: a beat crash between a slot's claim and its publication ---------------------------
 
 CRASH_POINTS = {
-    # The slot's execution row is inserted and its cursor moved, in a transaction not committed.
-    "before_commit": "taskplatform.scheduling.scheduler:submit:after",
-    # The transaction committed (row and cursor), the message is not published yet (the outbox's gap).
-    "after_commit_before_publish": "taskplatform.core.publisher:publish:before",
-    # The message is on the broker; the process dies before anything else.
-    "after_publish": "taskplatform.core.publisher:publish:after",
+    # The batch's execution rows are inserted and their messages registered for the commit, in
+    # a transaction not committed (the cursors are written next, in it).
+    "before_commit": "taskplatform.scheduling.scheduler:publish_many_on_commit:after",
+    # The transaction committed (rows and cursors), the messages are not published yet (the outbox's gap).
+    "after_commit_before_publish": "taskplatform.core.publisher:publish_many:before",
+    # The messages are on the broker; the process dies before anything else.
+    "after_publish": "taskplatform.core.publisher:publish_many:after",
 }
 
 

@@ -10,12 +10,13 @@ work first; the fault fires once. Examples::
 
     TP_FAULT_AT=taskplatform.core.publisher:publish:before      # a row committed, not yet published
     TP_FAULT_AT=taskplatform.core.publisher:publish:after       # a message published, nothing after
-    TP_FAULT_AT=taskplatform.scheduling.scheduler:submit:after  # a slot's row inserted, not committed
+    TP_FAULT_AT=taskplatform.core.publisher:publish_many:before  # a batch committed (a beat's), not published
+    TP_FAULT_AT=taskplatform.scheduling.scheduler:publish_many_on_commit:after  # a beat's batch inserted, not committed
     TP_FAULT_AT=celery.app.base:Celery.send_task:before         # any message, before it is sent
     TP_FAULT_AT=taskplatform.scheduling.scheduler:check_fence:before  # lease checked, fence not yet
 
-Patch the name where the caller looks it up (``scheduler.submit`` is the beat's own
-reference to ``submit``). Before exiting, one line goes to stderr, ``TP_FAULT fired at
+Patch the name where the caller looks it up (``scheduler.publish_many_on_commit`` is the
+beat's own reference to it). Before exiting, one line goes to stderr, ``TP_FAULT fired at
 <spec> call <n> key=<idempotency key>`` (the slot's or execution's key: an ``idempotency_key``
 argument, a message's ``tp_key``/``tp_slot`` header, or the key of an argument or result that
 is an execution), so the test knows which slot the fault hit.
@@ -59,6 +60,13 @@ def install(spec: str, skip: int = 0, action: str = "exit") -> None:
         headers = kwargs.get("headers") or {}
         keys = [kwargs.get("idempotency_key"), headers.get("tp_key"), headers.get("tp_slot")]
         keys += [getattr(a, "idempotency_key", None) for a in (result, *args, *kwargs.values())]
+        # A batch (``publish_many``'s entries): the first execution's key.
+        keys += [
+            getattr(entry[0] if isinstance(entry, tuple) and entry else entry, "idempotency_key", None)
+            for a in args
+            if isinstance(a, list | tuple)
+            for entry in a[:1]
+        ]
         key = next((k for k in keys if isinstance(k, str)), "")
         # To the process's own stderr (file descriptor 2): Celery replaces ``sys.stderr``.
         os.write(2, f"TP_FAULT fired at {spec} call {number} key={key}\n".encode())
