@@ -12,7 +12,7 @@ import random
 import secrets
 import urllib.error
 import urllib.request
-from datetime import date, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from celery import shared_task
@@ -203,6 +203,22 @@ class ReconciliationMismatch(Exception):
     """A payment does not match the provider's record (retryable: provider data may lag)."""
 
 
+def settlement_anchor(execution: Any) -> datetime:
+    """The instant a reconciliation's day is counted from: its schedule slot. A beat slot's key
+    is ``<job>@<slot, UTC ISO-8601>`` and never changes; ``scheduled_for`` does (a retry or a
+    wait for a limit moves it to when the next attempt may start, which may be after midnight).
+    Then ``scheduled_for`` as the submission gave it, then the row's creation."""
+    if execution is None:
+        return timezone.now()
+    _, _, suffix = execution.idempotency_key.rpartition("@")
+    if suffix.endswith("Z"):
+        try:
+            return datetime.fromisoformat(suffix[:-1]).replace(tzinfo=UTC)
+        except ValueError:
+            pass
+    return execution.scheduled_for or execution.created_at
+
+
 @shared_task(base=IdempotentTask, bind=True, name="tasks.reconcile_payments")
 def reconcile_payments(
     self: IdempotentTask, shards: int = 4, day: str = "", timezone_name: str = "Europe/Berlin"
@@ -222,8 +238,7 @@ def reconcile_payments(
     if not 1 <= shards <= 64:
         raise ValueError(f"shards must be 1 to 64, not {shards}")
     if not day:
-        execution = self.execution
-        anchor = (execution.scheduled_for or execution.created_at) if execution else timezone.now()
+        anchor = settlement_anchor(self.execution)
         day = (anchor.astimezone(ZoneInfo(timezone_name)).date() - timedelta(days=1)).isoformat()
     date.fromisoformat(day)  # a malformed day fails here, before any shard exists
     created = [submit_or_get(reconcile_payment_shard, [day, i, shards])[1] for i in range(shards)]
