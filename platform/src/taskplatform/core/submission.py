@@ -122,46 +122,21 @@ def _submit_or_get(
     slot: datetime | None,
     flow_id: int | None = None,
 ) -> tuple[Execution, bool]:
-    task, job, args_list, kwargs_dict, key, queue, priority = _resolved(
-        task_or_name, args, kwargs, idempotency_key=idempotency_key, queue=queue, priority=priority, flow_id=flow_id
-    )
-    if countdown is not None and eta is not None:
-        raise InvalidArgumentsError("give countdown or eta, not both")
-    if eta is not None and timezone.is_naive(eta):
-        raise InvalidArgumentsError("eta must be a timezone-aware datetime")
-
-    now = timezone.now()
-    delay = max(0.0, (eta - now).total_seconds()) if eta is not None else max(0.0, float(countdown or 0))
-    scheduled_for = now + timedelta(seconds=delay) if delay else slot
-    on_broker = delay <= platform_settings().max_broker_countdown_seconds
-    task_id = new_task_id() if on_broker else ""
-    start = now + timedelta(seconds=delay) if delay else now
-    spec = NewExecution(
-        idempotency_key=key,
-        task_name=task.name,
-        args=args_list,
-        kwargs=kwargs_dict,
-        trigger=trigger,
-        job=job,
-        queue=queue or "",
-        priority=priority,
-        scheduled_for=scheduled_for,
-        due_at=start + ledger.republish_interval(1) if on_broker else start,
-        celery_task_id=task_id,
-        publish_count=1 if on_broker else 0,
-        trace_context=tracing.traceparent(),
-        flow_id=flow_id,
-    )
+    spec, delay = _spec(
+        task_or_name, args, kwargs, idempotency_key=idempotency_key, countdown=countdown, eta=eta, queue=queue,
+        priority=priority, trigger=trigger, slot=slot, flow_id=flow_id,
+    )  # fmt: skip
+    key, task_id, args_list, kwargs_dict = spec.idempotency_key, spec.celery_task_id, spec.args, spec.kwargs
     execution, created = ledger.create(spec)
     if not created:
-        if execution.task_name != task.name or execution.args != args_list or execution.kwargs != kwargs_dict:
+        if execution.task_name != spec.task_name or execution.args != args_list or execution.kwargs != kwargs_dict:
             raise IdempotencyKeyConflictError(
                 f"idempotency key {key!r} already names execution {execution.pk} of task "
                 f"{execution.task_name!r} with other arguments; use a new key for new work",
                 execution_id=execution.pk,
             )
         return execution, False
-    if on_broker:
+    if task_id:  # not parked in the ledger
         if on_commit:
             publish_on_commit(execution, task_id=task_id, countdown=delay or None)
         else:
@@ -169,19 +144,23 @@ def _submit_or_get(
     return execution, True
 
 
-def _resolved(
+def _spec(
     task_or_name: Task | str | JobDefinition,
     args: Sequence[Any] | None,
     kwargs: Mapping[str, Any] | None,
     *,
     idempotency_key: str | None,
+    countdown: float | None,
+    eta: datetime | None,
     queue: str | None,
     priority: int | None,
+    trigger: str,
+    slot: datetime | None,
     flow_id: int | None = None,
-) -> tuple[Any, JobDefinition | None, list[Any], dict[str, Any], str, str | None, int | None]:
-    """A submission's task, job, arguments (a job's defaults applied, encoded and checked),
-    key (given, derived, or new; checked), queue and priority; a ``SubmissionError`` for bad
-    input."""
+) -> tuple[NewExecution, float]:
+    """What ``submit()`` records (checked: a ``SubmissionError`` for bad input), and its broker
+    countdown (0: none). A delay beyond ``TASKPLATFORM_MAX_BROKER_COUNTDOWN_SECONDS`` is parked
+    in the ledger: no task id, nothing to publish now."""
     job: JobDefinition | None = None
     if isinstance(task_or_name, JobDefinition):
         job = task_or_name
@@ -201,7 +180,31 @@ def _resolved(
     if flow_id is None and key.startswith("flow:"):
         # The flows' own keys (``core/flows.py``): a row submitted under one would pass for a step.
         raise InvalidIdempotencyKeyError(f"idempotency keys starting with 'flow:' are the flows' own, not {key!r}")
-    return task, job, args_list, kwargs_dict, key, queue, priority
+    if countdown is not None and eta is not None:
+        raise InvalidArgumentsError("give countdown or eta, not both")
+    if eta is not None and timezone.is_naive(eta):
+        raise InvalidArgumentsError("eta must be a timezone-aware datetime")
+    now = timezone.now()
+    delay = max(0.0, (eta - now).total_seconds()) if eta is not None else max(0.0, float(countdown or 0))
+    on_broker = delay <= platform_settings().max_broker_countdown_seconds
+    start = now + timedelta(seconds=delay) if delay else now
+    spec = NewExecution(
+        idempotency_key=key,
+        task_name=task.name,
+        args=args_list,
+        kwargs=kwargs_dict,
+        trigger=trigger,
+        job=job,
+        queue=queue or "",
+        priority=priority,
+        scheduled_for=start if delay else slot,
+        due_at=start + ledger.republish_interval(1) if on_broker else start,
+        celery_task_id=new_task_id() if on_broker else "",
+        publish_count=1 if on_broker else 0,
+        trace_context=tracing.traceparent(),
+        flow_id=flow_id,
+    )
+    return spec, delay
 
 
 def slot_spec(
@@ -213,31 +216,15 @@ def slot_spec(
     slot: datetime,
     queue: str | None = None,
     priority: int | None = None,
-    trigger: str = Trigger.BEAT,
-    trace_context: str = "",
 ) -> NewExecution:
     """What ``submit(task_or_name, args, kwargs, idempotency_key=…, slot=slot)`` records, for
     a beat that records a batch of slots in one ``ledger.create_many`` and publishes the new
     rows with ``publish_many_on_commit``; ``submit()``'s ``SubmissionError`` for bad input."""
-    _task, job, args_list, kwargs_dict, key, queue, priority = _resolved(
-        task_or_name, args, kwargs, idempotency_key=idempotency_key, queue=queue, priority=priority
-    )
-    now = timezone.now()
-    return NewExecution(
-        idempotency_key=key,
-        task_name=_task.name,
-        args=args_list,
-        kwargs=kwargs_dict,
-        trigger=trigger,
-        job=job,
-        queue=queue or "",
-        priority=priority,
-        scheduled_for=slot,
-        due_at=now + ledger.republish_interval(1),
-        celery_task_id=new_task_id(),
-        publish_count=1,
-        trace_context=trace_context,
-    )
+    spec, _delay = _spec(
+        task_or_name, args, kwargs, idempotency_key=idempotency_key, countdown=None, eta=None, queue=queue,
+        priority=priority, trigger=Trigger.BEAT, slot=slot,
+    )  # fmt: skip
+    return spec
 
 
 #: The fields an item of ``submit_many`` may have.
