@@ -212,8 +212,8 @@ def _full(rule: Rule, kind: str, execution: Execution, lease_seconds: int) -> Re
         # slot frees when their lease runs out) and wakes that were lost. Spread over a window
         # that grows with the backlog: the waiters' backstop claims then come at about the
         # same pace however many wait (a fixed 15-22 s made 100 waiters cost 6 claims a second
-        # with the slot held throughout), and the first of them still comes within about the
-        # base delay of a lost wake.
+        # with the slot held throughout). A lost wake costs more with a long queue: the first
+        # backstop comes after about twice the base delay instead of within 1.5 times it.
         base = min(float(lease_seconds), CONCURRENCY_BACKSTOP_SECONDS)
         spread = max(0.5, waiting_count(rule) / max(1, rule.concurrency or 1))
         delay = base * (1.0 + random.uniform(0.0, spread))
@@ -459,13 +459,16 @@ def _ttl_errors(limit: Limit) -> dict[str, str]:
         from ..models import JobDefinition
 
         job = limit.job if limit.job_id else None
-        task = registered_task(job.task if job is not None else limit.task_name)
-        lease_for = getattr(task, "lease_for", None)
-        # A task's limit bounds its jobs too: each job's own lease counts.
-        jobs = [job] if job is not None else list(JobDefinition.objects.filter(task=limit.task_name))
-        leases = [lease_for(None) if lease_for is not None else platform_settings().lease_seconds]
-        leases += [(lease_for(j) if lease_for is not None else j.lease_seconds) or leases[0] for j in jobs]
-        lease = max(leases) if job is None else leases[-1]
+        lease_for = getattr(registered_task(job.task if job is not None else limit.task_name), "lease_for", None)
+
+        def lease_of(j: JobDefinition | None) -> int:
+            if lease_for is not None:
+                return int(lease_for(j))
+            return (j.lease_seconds if j is not None else None) or platform_settings().lease_seconds
+
+        # A job's limit bounds the job; a task's bounds plain calls of the task and all its jobs.
+        scope = [job] if job is not None else [None, *JobDefinition.objects.filter(task=limit.task_name)]
+        lease = max(lease_of(j) for j in scope)
         if lease > most:
             errors["concurrency"] = (
                 f"a running slot lives as long as the attempt's lease ({lease} s), longer than backend "
