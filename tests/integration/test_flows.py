@@ -24,7 +24,7 @@ from taskplatform.core.publisher import publish
 from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, FlowRun, FlowState
 from tests.testapp.models import Effect, Gate
-from tests.testapp.tasks import TEST_FLOW
+from tests.testapp.tasks import TEST_FLOW, TEST_FLOW_ONE_SHOT
 
 pytestmark = [pytest.mark.worker]
 
@@ -140,6 +140,64 @@ def test_a_pool_process_killed_in_any_step_or_compensation_changes_nothing_but_t
     expected = ["a", "b", "b:undo", "a:undo"] if compensating else ["a", "b", "c"]
     assert effects(order) == expected
     assert [t for t, _ in _starts(key)] == [token, token + 1], "the killed attempt and its takeover"
+
+
+@pytest.mark.fault
+def test_a_step_an_operator_stops_while_it_runs_is_undone_too_once_its_lease_ends(workers, poll):
+    """An operator cancels a running step and leaves its body running (no revoke): nothing is
+    undone beside it; once the step's last lease has ended, its own compensation runs (it may
+    have done its work), then the earlier steps', each exactly once. The stopped atomic body
+    goes on, its success is refused, and its effect never commits."""
+    workers.start(concurrency=2)
+    order = new_order()
+    run = start(order, kill_at="b")
+    key = f"flow:{run.pk}:1:b"
+    token, _pid = poll(lambda: (_starts(key) or [None])[0], timeout=60, what="b started")
+    step = Execution.objects.get(idempotency_key=key)
+    outcome = interventions.apply("cancel", {step.pk: "RUNNING"}, user="ops", reason="stuck", revoke=False)
+    assert outcome.changed == [step.pk]
+    fence = Execution.objects.get(pk=step.pk).lease_expires_at
+    assert fence is not None, "the cancelled step keeps its last lease as a fence"
+    Gate.objects.create(name=f"flow-kill:{order}:b:{token}", open=True)  # the stopped body goes on
+    poll(
+        lambda: step.events.filter(kind="stale_write_rejected").exists(),
+        timeout=60,
+        what="the stopped body's success refused",
+    )
+
+    def compensated() -> bool:
+        run_rescuer()  # the backstop that looks again once the fence has passed (no maintenance in tests)
+        return run_of(order).state == FlowState.COMPENSATED
+
+    poll(compensated, timeout=60, interval=0.5, what="compensated once the fence passed")
+    assert effects(order) == ["a", "b:undo", "a:undo"]
+    undo = Execution.objects.get(idempotency_key=f"{key}:undo")
+    assert undo.created_at >= fence, "the stopped step's compensation was submitted only after its lease ended"
+    assert [t for t, _ in _starts(key)] == [token], "the stopped step did not run again"
+    assert len(_starts(f"{key}:undo")) == 1
+
+
+@pytest.mark.fault
+def test_a_step_whose_only_attempt_is_lost_is_dead_lettered_and_undone_too_without_waiting(workers, poll):
+    """SIGKILL of the pool process running a step's last attempt: its redelivery finds the
+    attempts spent and dead-letters it as lost. The step may have done its work, so it is
+    compensated too, then the steps before it, each exactly once; and the flow moves on at once
+    (not at the rescuer's next look at the run, a minute later)."""
+    worker = workers.start(concurrency=2)
+    order = new_order()
+    run = submit_flow(TEST_FLOW_ONE_SHOT, key=f"order:{order}", input={"order": order, "kill_at": "b"})
+    key = f"flow:{run.pk}:1:b"
+    token, pid = poll(lambda: (_starts(key) or [None])[0], timeout=60, what="b started")
+    assert pid in {c.pid for c in worker.pool_children()}, "only our own pool child is signalled"
+    os.kill(pid, signal.SIGKILL)
+    # No rescuer runs here, and the run's own backstop look is CHECK_SECONDS (60 s) away.
+    poll(finished(order, FlowState.COMPENSATED), timeout=flows.CHECK_SECONDS - 15, interval=0.2,
+         what="compensated")  # fmt: skip
+    assert effects(order) == ["a", "b:undo", "a:undo"]
+    step = Execution.objects.get(idempotency_key=key)
+    assert step.state == "FAILED" and step.attempts == 1
+    assert step.events.filter(kind="dead_lettered", data__attempt_lost=True).exists()
+    assert [t for t, _ in _starts(key)] == [token], "the lost attempt's body did not run again"
 
 
 def test_duplicate_advances_and_duplicate_messages_run_nothing_twice(workers, poll):

@@ -286,6 +286,28 @@ def test_a_step_the_rescuer_dead_lettered_is_undone_too():
     assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:0:a:undo").exists()
 
 
+def test_the_rescuers_dead_letter_of_a_step_moves_its_flow_on_in_the_same_pass():
+    """The rescuer dead-letters a lost step: its flow compensates now, not at the run's next
+    look (``check_at``, up to ``CHECK_SECONDS`` later)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from taskplatform.core.rescuer import run_rescuer
+
+    run = submit_flow(TEST_FLOW, key="order:lost-now", input={"order": "lost-now"})
+    succeed(step_row(run, 0, "a"), None)
+    b = step_row(run, 1, "b")
+    _running(b, max_attempts=1)
+    Execution.objects.filter(pk=b.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1), max_attempts=1)
+    FlowRun.objects.filter(pk=run.pk).update(check_at=timezone.now() + timedelta(seconds=flows.CHECK_SECONDS))
+    report = run_rescuer()
+    assert report.dead_lettered == 1 and report.flows_advanced == 0, "the run's own look was not due"
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATING and run.failed_step == "b"
+    assert step_row(run, 1, "b", undo=True).state == State.PENDING
+
+
 def test_a_failed_step_of_a_run_that_compensates_cannot_be_marked_succeeded():
     """Review of issue 15: "mark succeeded" on the failed step was accepted; the run ended
     COMPENSATED with that step SUCCEEDED, never undone, and its next step never ran."""

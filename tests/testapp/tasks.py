@@ -432,6 +432,16 @@ def flow_undo(self: IdempotentTask, step: str, order: str, kill_at: str = "", un
     return {"undone": step}
 
 
+@shared_task(base=IdempotentTask, bind=True, name="testapp.flow_step_once", atomic=True, max_retries=0)
+def flow_step_once(self: IdempotentTask, step: str, order: str, kill_at: str = "", **_: Any) -> dict:
+    """``flow_step`` with one attempt only: a worker lost on it dead-letters the step."""
+    _log_start(self)
+    Effect.objects.create(key=f"{order}:{step}", fencing_token=self.fencing_token or 0)
+    if step == kill_at:
+        _wait_gate(self, f"flow-kill:{order}:{step}")
+    return {"step": step, "token": self.fencing_token}
+
+
 def _step_kwargs(step: str) -> Any:
     def build(input: Any, results: Any) -> dict[str, Any]:
         previous = {name: value for name, value in results.items()}
@@ -446,6 +456,18 @@ TEST_FLOW = Flow(
         Step("a", "testapp.flow_step", compensate="testapp.flow_undo", kwargs=_step_kwargs("a"),
              compensate_kwargs=_step_kwargs("a")),
         Step("b", "testapp.flow_step", compensate="testapp.flow_undo", kwargs=_step_kwargs("b"),
+             compensate_kwargs=_step_kwargs("b")),
+        Step("c", "testapp.flow_step", kwargs=_step_kwargs("c")),
+    ],
+)  # fmt: skip
+
+#: ``TEST_FLOW`` whose step ``b`` has a single attempt (``flow_step_once``).
+TEST_FLOW_ONE_SHOT = Flow(
+    "test-order-one-shot",
+    [
+        Step("a", "testapp.flow_step", compensate="testapp.flow_undo", kwargs=_step_kwargs("a"),
+             compensate_kwargs=_step_kwargs("a")),
+        Step("b", "testapp.flow_step_once", compensate="testapp.flow_undo", kwargs=_step_kwargs("b"),
              compensate_kwargs=_step_kwargs("b")),
         Step("c", "testapp.flow_step", kwargs=_step_kwargs("c")),
     ],

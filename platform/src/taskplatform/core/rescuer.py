@@ -118,6 +118,8 @@ def run_rescuer(now: datetime | None = None, *, keep_going: Callable[[], bool] =
             report.rescued += 1
         elif outcome == "dead_lettered":
             report.dead_lettered += 1
+            if execution.flow_id is not None:
+                flows.advance_quietly(execution.flow_id)  # a flow's step or compensation: its next move now
 
     due = (
         Execution.objects.select_related("job")

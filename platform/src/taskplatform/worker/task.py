@@ -462,6 +462,10 @@ class IdempotentTask(Task):
                 claim.outcome,
                 extra={"execution_id": execution.pk, "idempotency_key": execution.idempotency_key},
             )
+            if claim.outcome == "exhausted" and execution.flow_id is not None:
+                # This delivery dead-lettered a step whose last attempt was lost: its flow moves
+                # on now, not at the rescuer's next look at the run (``flows.CHECK_SECONDS``).
+                flows.advance_quietly(execution.flow_id)
             return execution.result if claim.outcome == "finished" else None
 
         token = claim.token
