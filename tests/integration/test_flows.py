@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import uuid
+from datetime import timedelta
 
 import pytest
 import redis
@@ -24,7 +25,7 @@ from taskplatform.core.publisher import publish
 from taskplatform.core.rescuer import run_rescuer
 from taskplatform.models import Execution, FlowRun, FlowState
 from tests.testapp.models import Effect, Gate
-from tests.testapp.tasks import TEST_FLOW, TEST_FLOW_ONE_SHOT
+from tests.testapp.tasks import TEST_FLOW, TEST_FLOW_LATE, TEST_FLOW_ONE_SHOT, TEST_FLOW_REPLACING
 
 pytestmark = [pytest.mark.worker]
 
@@ -178,6 +179,49 @@ def test_a_step_an_operator_stops_while_it_runs_is_undone_too_once_its_lease_end
 
 
 @pytest.mark.fault
+def test_a_stopped_step_whose_body_runs_past_its_lease_is_undone_only_after_the_body_ended(workers, poll):
+    """A non-atomic step cancelled by an operator (no revoke) whose body goes on well past the
+    lease it held when stopped: its worker keeps the fence while the body runs, so the run
+    compensates only after the body ended, and the compensation finds the effect to undo."""
+    from django.db import connection
+
+    workers.start(concurrency=2)
+    order = new_order()
+    run = submit_flow(TEST_FLOW_LATE, key=f"order:{order}", input={"order": order})
+    key = f"flow:{run.pk}:1:b"
+    token, _pid = poll(lambda: (_starts(key) or [None])[0], timeout=60, what="b started")
+    step = Execution.objects.get(idempotency_key=key)
+    outcome = interventions.apply("cancel", {step.pk: "RUNNING"}, user="ops", reason="too slow", revoke=False)
+    assert outcome.changed == [step.pk]
+    first_fence = Execution.objects.get(pk=step.pk).lease_expires_at
+
+    def db_now():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT CURRENT_TIMESTAMP")
+            return cursor.fetchone()[0]
+
+    # Well past the lease the attempt held when it was stopped, the body still runs: nothing is
+    # undone yet, however often the run is looked at.
+    poll(lambda: db_now() > first_fence + timedelta(seconds=2), timeout=60, interval=0.2, what="the first fence passed")
+    run_rescuer()
+    assert run_of(order).state == FlowState.RUNNING
+    assert not Execution.objects.filter(idempotency_key=f"{key}:undo").exists()
+    assert Execution.objects.get(pk=step.pk).lease_expires_at > first_fence, "the fence was kept"
+    Gate.objects.create(name=f"flow-late:{order}:b:{token}", open=True)
+    poll(lambda: "b" in effects(order), timeout=30, what="the stopped body's effect")
+    body_ended = db_now()
+
+    def compensated() -> bool:
+        run_rescuer()
+        return run_of(order).state == FlowState.COMPENSATED
+
+    poll(compensated, timeout=60, interval=0.5, what="compensated after the body ended")
+    assert effects(order) == ["a", "b", "b:undo", "a:undo"]
+    undo = Execution.objects.get(idempotency_key=f"{key}:undo")
+    assert undo.created_at >= body_ended, "the compensation was submitted after the stopped body's effect"
+
+
+@pytest.mark.fault
 def test_a_step_whose_only_attempt_is_lost_is_dead_lettered_and_undone_too_without_waiting(workers, poll):
     """SIGKILL of the pool process running a step's last attempt: its redelivery finds the
     attempts spent and dead-letters it as lost. The step may have done its work, so it is
@@ -198,6 +242,23 @@ def test_a_step_whose_only_attempt_is_lost_is_dead_lettered_and_undone_too_witho
     assert step.state == "FAILED" and step.attempts == 1
     assert step.events.filter(kind="dead_lettered", data__attempt_lost=True).exists()
     assert [t for t, _ in _starts(key)] == [token], "the lost attempt's body did not run again"
+
+
+def test_a_step_that_replaces_itself_is_refused_with_a_clear_error_and_the_flow_compensates(workers, poll):
+    """``self.replace()`` inside a step: the flow would have moved on before the replacement ran.
+    Refused: the step fails with a clear error, nothing is replaced, the steps before it are
+    undone."""
+    from tests.testapp.models import EffectRaw
+
+    workers.start(concurrency=2)
+    order = new_order()
+    run = submit_flow(TEST_FLOW_REPLACING, key=f"order:{order}", input={"order": order})
+    poll(finished(order, FlowState.COMPENSATED), timeout=60, what="compensated")
+    step = Execution.objects.get(idempotency_key=f"flow:{run.pk}:1:r")
+    assert step.state == "FAILED" and "cannot replace itself" in step.last_error
+    assert effects(order) == ["a", "a:undo"]
+    assert not EffectRaw.objects.filter(key=step.idempotency_key, phase__startswith="replacement").exists()
+    assert not Execution.objects.filter(idempotency_key__startswith=f"{step.idempotency_key}:replaced").exists()
 
 
 def test_duplicate_advances_and_duplicate_messages_run_nothing_twice(workers, poll):

@@ -115,6 +115,8 @@ def test_a_run_of_an_undeclared_flow_waits_and_says_so():
         (lambda: submit_flow(TEST_FLOW, key="k", input={"blob": "x" * 70_000}), SubmissionError, "bytes"),
         (lambda: Flow("empty", []), InvalidArgumentsError, "no steps"),
         (lambda: Flow("twice", [Step("a", "t"), Step("a", "t")]), InvalidArgumentsError, "must differ"),
+        (lambda: Flow("colon", [Step("x:undo", "t")]), InvalidArgumentsError, "no ':'"),
+        (lambda: Flow("nameless", [Step("", "t")]), InvalidArgumentsError, "1 to 100"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_error_and_nothing_saved(call, error, message):
@@ -401,3 +403,147 @@ def test_a_step_that_raised_on_its_own_is_not_undone():
     assert run.state == FlowState.COMPENSATING
     assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:1:b:undo").exists()
     assert step_row(run, 0, "a", undo=True).state == State.PENDING
+
+
+# --- found by the fourth review of the flows --------------------------------------------------------
+
+
+def _lost_last_attempt(step: Execution) -> None:
+    """The step's only attempt lost: its lease ran out and the rescuer dead-letters it."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    _running(step, max_attempts=1)
+    Execution.objects.filter(pk=step.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1), max_attempts=1)
+    assert ledger.rescue_expired(Execution.objects.get(pk=step.pk), max_attempts=1, now=timezone.now()) == (
+        "dead_lettered"
+    )
+
+
+_BUILDER_BROKEN = {"broken": True}
+
+OWN_RESULT_FLOW = Flow(
+    "test-own-result",
+    [
+        Step("a", "testapp.flow_step", compensate="testapp.flow_undo"),
+        Step("b", "testapp.flow_step", compensate="testapp.flow_undo",
+             compensate_kwargs=lambda i, r: {**i, "step": "b", "capture": r["b"]["token"]} if _BUILDER_BROKEN["broken"]
+             else {**i, "step": "b"}),
+        Step("c", "testapp.flow_step"),
+    ],
+)  # fmt: skip
+
+
+def test_a_compensation_whose_arguments_cannot_be_built_holds_the_run_compensating_and_says_why():
+    """An in-doubt step has no result; a builder that reads one raised, and the whole decision
+    rolled back: the run stayed RUNNING for good, nothing was undone, and the console still
+    offered a retry of the step in doubt. The move to compensating now holds, with the reason
+    on the run, and the run moves on once the builder is fixed."""
+    from taskplatform.console import interventions
+
+    _BUILDER_BROKEN["broken"] = True
+    run = submit_flow(OWN_RESULT_FLOW, key="order:own", input={"order": "own"})
+    succeed(step_row(run, 0, "a"), {"token": 1})
+    b = step_row(run, 1, "b")
+    _lost_last_attempt(b)
+    for _ in range(2):
+        flows.advance_quietly(run.pk)
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATING and run.failed_step == "b"
+    assert "the compensation of b could not be built: KeyError" in run.error
+    assert run.error.startswith(Execution.objects.get(pk=b.pk).last_error[:40]), "the step's own failure is kept"
+    assert run.check_at is not None and not Execution.objects.filter(flow_id=run.pk, idempotency_key__endswith=":undo")
+    refused = interventions.apply("retry_now", {b.pk: "FAILED"}, user="ops", reason="try again")
+    assert b.pk in refused.refused, "the step in doubt cannot be run again"
+    _BUILDER_BROKEN["broken"] = False  # the builder fixed (a deploy)
+    try:
+        flows.advance(run.pk)
+    finally:
+        _BUILDER_BROKEN["broken"] = True
+    run.refresh_from_db()
+    assert step_row(run, 1, "b", undo=True).state == State.PENDING
+    assert "could not be built" not in run.error
+
+
+def test_a_stopped_compensation_cannot_be_marked_succeeded_while_its_body_may_still_run():
+    """Marked failed while running, then at once marked succeeded (done by hand): the run moved
+    on to the next compensation beside the body that might still refund. Refused until the
+    stopped attempt's fence has passed."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from taskplatform.console import interventions
+
+    run = submit_flow(TEST_FLOW, key="order:fenced", input={"order": "fenced"})
+    succeed(step_row(run, 0, "a"), None)
+    succeed(step_row(run, 1, "b"), None)
+    fail(step_row(run, 2, "c"))
+    undo_b = step_row(run, 1, "b", undo=True)
+    _running(undo_b)
+    assert interventions.apply("mark_failed", {undo_b.pk: "RUNNING"}, user="ops", reason="hung", revoke=False).changed
+    outcome = interventions.apply("mark_succeeded", {undo_b.pk: "FAILED"}, user="ops", reason="refunded by hand")
+    assert "may still be running until" in outcome.refused[undo_b.pk]
+    assert Execution.objects.get(pk=undo_b.pk).state == State.FAILED
+    assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:0:a:undo").exists()
+    Execution.objects.filter(pk=undo_b.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    outcome = interventions.apply("mark_succeeded", {undo_b.pk: "FAILED"}, user="ops", reason="refunded by hand")
+    assert outcome.changed == [undo_b.pk]
+    assert step_row(run, 0, "a", undo=True).state == State.PENDING
+
+
+def test_a_renewal_refused_after_the_attempts_own_outcome_is_no_lost_lease():
+    """The lease keeper's renewal, racing the attempt's own dead letter, was refused and noted
+    as a lost lease: the cleanly failed step became "in doubt" after the run had decided, and
+    its compensation ran after the earlier step's. An attempt that recorded its own outcome
+    lost nothing; one an operator stopped did."""
+    run = submit_flow(TEST_FLOW, key="order:late", input={"order": "late"})
+    succeed(step_row(run, 0, "a"), None)
+    b = step_row(run, 1, "b")
+    c = _running(b)
+    ledger.dead_letter(c.execution, c.token, error="E: declined", traceback="", worker="n:1")
+    ledger.record_lease_lost(b.pk, c.token, "n:1")
+    assert not b.events.filter(kind="lease_lost").exists()
+    flows.advance(run.pk)
+    assert not Execution.objects.filter(idempotency_key=f"flow:{run.pk}:1:b:undo").exists()
+    assert step_row(run, 0, "a", undo=True).state == State.PENDING
+
+    stopped = step_row(run, 0, "a", undo=True)
+    c = _running(stopped)
+    ledger.operator_transition(stopped.pk, State.CANCELLED, user="ops", reason="hung", expected_state="RUNNING")
+    ledger.record_lease_lost(stopped.pk, c.token, "n:1")
+    assert stopped.events.filter(kind="lease_lost").exists()
+
+
+def test_the_fence_of_a_stopped_attempt_is_kept_only_by_that_attempt_while_it_is_live():
+    """``extend_fence``: the lease keeper of an attempt an operator stopped keeps its fence
+    while the body runs; not another attempt's, not a running row's, not a fence that passed."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    run = submit_flow(TEST_FLOW, key="order:fence-keep", input={"order": "fence-keep"})
+    a = step_row(run, 0, "a")
+    c = _running(a)
+    assert not ledger.extend_fence(a.pk, c.token, 60), "a running attempt renews its lease, it has no fence"
+    ledger.operator_transition(a.pk, State.CANCELLED, user="ops", reason="stop", expected_state="RUNNING")
+    before = Execution.objects.get(pk=a.pk).lease_expires_at
+    assert not ledger.extend_fence(a.pk, c.token + 1, 60), "another attempt's token"
+    assert ledger.extend_fence(a.pk, c.token, 60)
+    assert Execution.objects.get(pk=a.pk).lease_expires_at > before
+    Execution.objects.filter(pk=a.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    assert not ledger.extend_fence(a.pk, c.token, 60), "a fence that passed is not revived"
+
+
+def test_a_run_whose_lost_step_has_no_compensation_says_so_when_compensated():
+    run = submit_flow(TEST_FLOW, key="order:no-undo", input={"order": "no-undo"})
+    succeed(step_row(run, 0, "a"), None)
+    succeed(step_row(run, 1, "b"), None)
+    _lost_last_attempt(step_row(run, 2, "c"))  # c has no compensation
+    flows.advance(run.pk)
+    succeed(step_row(run, 1, "b", undo=True), None)
+    succeed(step_row(run, 0, "a", undo=True), None)
+    run.refresh_from_db()
+    assert run.state == FlowState.COMPENSATED
+    assert "step c was stopped or lost while it ran and may have done its work" in run.error

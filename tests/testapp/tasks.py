@@ -442,6 +442,16 @@ def flow_step_once(self: IdempotentTask, step: str, order: str, kill_at: str = "
     return {"step": step, "token": self.fencing_token}
 
 
+@shared_task(base=IdempotentTask, bind=True, name="testapp.flow_step_late")
+def flow_step_late(self: IdempotentTask, step: str, order: str, **_: Any) -> dict:
+    """A non-atomic forward step that waits for the test's gate, then does its effect (which
+    commits at once, whatever the ledger then says of the attempt)."""
+    _log_start(self)
+    _wait_gate(self, f"flow-late:{order}:{step}")
+    Effect.objects.create(key=f"{order}:{step}", fencing_token=self.fencing_token or 0)
+    return {"step": step, "token": self.fencing_token}
+
+
 def _step_kwargs(step: str) -> Any:
     def build(input: Any, results: Any) -> dict[str, Any]:
         previous = {name: value for name, value in results.items()}
@@ -470,5 +480,27 @@ TEST_FLOW_ONE_SHOT = Flow(
         Step("b", "testapp.flow_step_once", compensate="testapp.flow_undo", kwargs=_step_kwargs("b"),
              compensate_kwargs=_step_kwargs("b")),
         Step("c", "testapp.flow_step", kwargs=_step_kwargs("c")),
+    ],
+)  # fmt: skip
+
+#: ``TEST_FLOW`` whose step ``b`` is non-atomic and waits for a gate (``flow_step_late``).
+TEST_FLOW_LATE = Flow(
+    "test-order-late",
+    [
+        Step("a", "testapp.flow_step", compensate="testapp.flow_undo", kwargs=_step_kwargs("a"),
+             compensate_kwargs=_step_kwargs("a")),
+        Step("b", "testapp.flow_step_late", compensate="testapp.flow_undo", kwargs=_step_kwargs("b"),
+             compensate_kwargs=_step_kwargs("b")),
+        Step("c", "testapp.flow_step", kwargs=_step_kwargs("c")),
+    ],
+)  # fmt: skip
+
+#: A flow whose second step replaces itself (``plain_replace``): refused, the step fails.
+TEST_FLOW_REPLACING = Flow(
+    "test-order-replacing",
+    [
+        Step("a", "testapp.flow_step", compensate="testapp.flow_undo", kwargs=_step_kwargs("a"),
+             compensate_kwargs=_step_kwargs("a")),
+        Step("r", "testapp.plain_replace", kwargs=lambda input, results: {}),
     ],
 )  # fmt: skip

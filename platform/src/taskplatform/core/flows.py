@@ -161,11 +161,9 @@ def advance_quietly(run_id: int | None) -> None:
         try:
             run = FlowRun.objects.filter(pk=run_id).first()
             if run is not None:
-                waited = (timezone.now() - run.updated_at).total_seconds()
-                pause = int(min(STUCK_CHECK_SECONDS, max(CHECK_SECONDS, 2 * waited)))
                 FlowRun.objects.filter(pk=run_id).update(
                     error=f"the flow could not move on: {type(exc).__name__}: {exc}"[:2000],
-                    check_at=_later(pause),
+                    check_at=_later(_pause(run)),
                 )
         except Exception:
             log.warning("could not record why the flow is stuck", exc_info=True, extra={"flow_run": run_id})
@@ -193,6 +191,13 @@ def advance_due(*, batch: int = 200, keep_going: Callable[[], bool] = lambda: Tr
 
 def _later(seconds: int) -> Any:
     return timezone.now() + timedelta(seconds=seconds)
+
+
+def _pause(run: FlowRun) -> int:
+    """How long a run that could not move waits for its next look: twice as long as it has
+    been stuck, from ``CHECK_SECONDS`` up to ``STUCK_CHECK_SECONDS``."""
+    waited = (timezone.now() - run.updated_at).total_seconds()
+    return int(min(STUCK_CHECK_SECONDS, max(CHECK_SECONDS, 2 * waited)))
 
 
 def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
@@ -236,10 +241,13 @@ def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
             return
     failed_at = flow.index(run.failed_step) if run.failed_step else len(flow.steps)
     first = failed_at - 1
+    unundone = ""  # a failed step that may have done its work and has no compensation
     if failed_at < len(flow.steps):
         failed = found.get(step_key(run, failed_at, flow.steps[failed_at]))
         if failed is not None and _in_doubt(failed):
             first = failed_at  # it may have done its work before it was stopped: undo it too
+            if flow.steps[failed_at].compensate_name is None:
+                unundone = flow.steps[failed_at].name
     for j in range(first, -1, -1):
         step = flow.steps[j]
         if step.compensate_name is None:
@@ -248,7 +256,19 @@ def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
         execution = found.get(undo_key(run, j, step))
         if execution is None:
             run.state = FlowState.COMPENSATING
-            kwargs = step.compensate_kwargs(copy.deepcopy(run.input), copy.deepcopy(results))
+            try:
+                # A step in doubt has no result in ``results``: its builder must not need one.
+                kwargs = step.compensate_kwargs(copy.deepcopy(run.input), copy.deepcopy(results))
+            except Exception as exc:
+                # The move to compensating is kept (so no forward step can be retried any more)
+                # and the reason is on the run; it is looked at again later, backing off.
+                log.warning("a compensation's arguments could not be built", exc_info=True,
+                            extra={"flow_run": run.pk, "step": step.name})  # fmt: skip
+                problem = f"the compensation of {step.name} could not be built: {type(exc).__name__}: {exc}"
+                run.error = f"{_without_problem(run.error)}{_PROBLEM}{problem}"[:2000]
+                run.check_at = _later(_pause(run))
+                return
+            run.error = _without_problem(run.error)
             _submit(run, step.compensate_name, kwargs, undo_key(run, j, step), on_commit)
             run.check_at = _later(CHECK_SECONDS)
             return
@@ -267,6 +287,19 @@ def _decide(run: FlowRun, flow: Flow, *, on_commit: bool) -> None:
     run.state = FlowState.COMPENSATED
     run.finished_at = timezone.now()
     run.check_at = None
+    if unundone:
+        run.error = (
+            f"step {unundone} was stopped or lost while it ran and may have done its work, "
+            "but it has no compensation: check it by hand"
+        )
+
+
+#: Between the reason a run compensates and a problem that holds it up (``_decide``).
+_PROBLEM = " | held up: "
+
+
+def _without_problem(error: str) -> str:
+    return error.split(_PROBLEM, 1)[0]
 
 
 def _open_fence(execution: Execution) -> datetime | None:
@@ -361,6 +394,21 @@ def operator_may(execution: Execution, target: str, run: FlowRun | None = None) 
         run = FlowRun.objects.filter(pk=execution.flow_id).first()
     if run is None:
         return None
+    if target == State.SUCCEEDED:
+        fence = (
+            Execution.objects.filter(
+                pk=execution.pk, state__in=(State.FAILED, State.CANCELLED), lease_expires_at__gt=UtcNow()
+            )
+            .values_list("lease_expires_at", flat=True)
+            .first()
+        )
+        if fence is not None:
+            # Stopped while it ran: its body may still be running until then. Marked succeeded
+            # now, the run would move on (the next compensation, or the next step) beside it.
+            return (
+                f"its stopped attempt may still be running until {fence:%Y-%m-%d %H:%M:%S %Z}: "
+                "mark it succeeded after that"
+            )
     compensation = execution.idempotency_key.endswith(":undo")
     if compensation and run.state in (FlowState.COMPENSATING, FlowState.FAILED_TO_COMPENSATE):
         return None

@@ -18,6 +18,12 @@ thread found dead is started again by the next ``watch()`` or ``ensure_running()
 out — measured on this process's monotonic clock from the last renewal known to have
 succeeded, which is later than the moment the database extended it — the attempt is marked
 lost without waiting for the database to say so, and is no longer renewed.
+
+A renewal refused because an operator stopped the attempt (cancel, "mark failed") is lost
+too, but the body runs on (a revoke is best effort): its lease is then the row's *fence*,
+which no new attempt and no flow compensation passes, and the keeper goes on extending it
+(``ledger.extend_fence``) until the body ends, so the fence ends within one lease of the body's
+end or of this process's death.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ class Watch:
     next_renewal: float = field(default=0.0)
     #: Monotonic time by which the lease was last known extended (claim or renewal returned).
     renewed_at: float = field(default_factory=time.monotonic)
+    #: Stopped by an operator while the body runs: the lease is kept as the row's fence
+    #: (``ledger.extend_fence``) until the body ends.
+    fencing: bool = False
     _lost: bool = False
 
     def interval(self) -> float:
@@ -140,7 +149,7 @@ class LeaseKeeper:
         while True:
             with self._cond:
                 now = time.monotonic()
-                due = [w for w in self._watches if w.next_renewal <= now or w.lost]
+                due = [w for w in self._watches if w.next_renewal <= now or (w.lost and not w.fencing)]
                 if not due:
                     self._wake_at = min((w.next_renewal for w in self._watches), default=now + 60)
                     self._cond.wait(timeout=max(0.05, self._wake_at - now))
@@ -157,6 +166,9 @@ class LeaseKeeper:
         """Renew one lease; on any error retry soon, and give up once it has certainly expired."""
         if not self._watched(w):
             return  # finished while we were renewing others: nothing to renew, nothing lost
+        if w.fencing:
+            self._keep_fence(w)
+            return
         if w.lost:  # ran out while renewals were failing (or the keeper was stuck)
             self._lost(w, "lease expired locally: no renewal succeeded for its whole duration")
             return
@@ -174,11 +186,41 @@ class LeaseKeeper:
             w.renewed_at = time.monotonic()
             w.next_renewal = w.renewed_at + w.interval()
         elif self._watched(w):  # refused while still running: somebody else owns the key now
-            self._lost(w, "lease renewal refused")
+            # Or an operator stopped the attempt: its lease is then the row's fence, kept while
+            # the body runs (``ledger.extend_fence``).
+            try:
+                fencing = ledger.extend_fence(w.execution_id, w.token, w.lease_seconds)
+            except Exception:
+                log.warning("could not keep the fence", exc_info=True, extra={"execution_id": w.execution_id})
+                self._close_connection()
+                fencing = False
+            self._lost(w, "lease renewal refused", fencing=fencing)
 
-    def _lost(self, w: Watch, why: str) -> None:
+    def _keep_fence(self, w: Watch) -> None:
+        """Extend the fence of a stopped attempt whose body still runs; stop once there is none."""
+        try:
+            kept = ledger.extend_fence(w.execution_id, w.token, w.lease_seconds)
+        except Exception:
+            log.warning("could not keep the fence; retrying", exc_info=True, extra={"execution_id": w.execution_id})
+            self._close_connection()
+            kept = None
+        now = time.monotonic()
+        if kept:
+            w.renewed_at = now
+            w.next_renewal = now + w.interval()
+        elif kept is None and not w.expired(now):
+            w.next_renewal = now + min(RETRY_SECONDS, w.interval())
+        else:
+            self.unwatch(w)  # the fence is gone (or ran out while extensions failed)
+
+    def _lost(self, w: Watch, why: str, *, fencing: bool = False) -> None:
         w.mark_lost()
-        self.unwatch(w)
+        if fencing:
+            w.fencing = True
+            w.renewed_at = time.monotonic()
+            w.next_renewal = w.renewed_at + w.interval()
+        else:
+            self.unwatch(w)
         log.warning(
             "lease lost: %s",
             why,

@@ -556,6 +556,28 @@ def renew_lease(execution_id: int, token: int, lease_seconds: int) -> bool:
     return rows == 1
 
 
+#: The states of a row whose running attempt an operator stopped (``operator_transition``):
+#: cancelled, marked failed, or retried since and parked until the stopped attempt's fence.
+_STOPPED = (State.CANCELLED, State.FAILED, State.PENDING)
+
+
+def extend_fence(execution_id: int, token: int, lease_seconds: int) -> bool:
+    """Keep the fence of an attempt an operator stopped while its body still runs; False once
+    there is none to keep.
+
+    A stop leaves the attempt's last lease on the row as a fence: no new attempt starts, and
+    a flow does not compensate the step, before it passes (``operator_transition``). The stop
+    cannot stop the body (a revoke is best effort), so the attempt's lease keeper extends the
+    fence while the body runs, by the database's clock, as it renewed the lease: the fence
+    then ends within one lease of the body's end, or of its worker's death. Only a live fence
+    of the same attempt (its token) on a stopped row is extended.
+    """
+    rows = Execution.objects.filter(
+        pk=execution_id, state__in=_STOPPED, fencing_token=token, lease_expires_at__gt=UtcNow()
+    ).update(lease_expires_at=_db_now(timedelta(seconds=lease_seconds)), updated_at=timezone.now())
+    return rows == 1
+
+
 def _note(execution_id: int, kind: str, *, worker: str, data: dict[str, Any]) -> None:
     """Append an event that records something without changing the execution's state."""
     execution = Execution.objects.filter(pk=execution_id).first()
@@ -564,8 +586,20 @@ def _note(execution_id: int, kind: str, *, worker: str, data: dict[str, Any]) ->
 
 
 def record_lease_lost(execution_id: int, token: int, worker: str) -> None:
-    """Note in the history that an attempt's lease renewal was refused."""
-    _note(execution_id, EventKind.LEASE_LOST, worker=worker, data={"attempt_token": token})
+    """Note in the history that an attempt's lease renewal was refused.
+
+    Not when the attempt had recorded its own outcome (the row is past ``RUNNING`` under its
+    token, with its lease cleared): a renewal racing the attempt's own success, retry or dead
+    letter is refused for that reason, and a lost lease in a flow step's history makes the
+    step "in doubt" (``core/flows.py``), which its own clean failure is not.
+    """
+    ended_by_itself = (
+        Execution.objects.filter(pk=execution_id, fencing_token=token, lease_expires_at__isnull=True)
+        .exclude(state=State.RUNNING)
+        .exists()
+    )
+    if not ended_by_itself:
+        _note(execution_id, EventKind.LEASE_LOST, worker=worker, data={"attempt_token": token})
 
 
 def succeed(execution: Execution, token: int, result: Any, *, worker: str, data: dict[str, Any]) -> None:

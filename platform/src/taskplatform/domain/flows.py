@@ -52,6 +52,13 @@ class Flow:
         if not steps:
             raise InvalidArgumentsError(f"flow {name!r} has no steps")
         names = [s.name for s in steps]
+        for step_name in names:
+            # A step's name is part of its executions' keys (``flow:<run>:<i>:<name>[:undo]``):
+            # a colon would let a step pass for a compensation (``…:undo``).
+            if not step_name or ":" in step_name or len(step_name) > 100:
+                raise InvalidArgumentsError(
+                    f"flow {name!r}: a step's name has 1 to 100 characters and no ':', not {step_name!r}"
+                )
         if len(set(names)) != len(names):
             raise InvalidArgumentsError(f"flow {name!r}: step names must differ, not {names}")
         if not name or len(name) > 100:

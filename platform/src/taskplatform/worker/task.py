@@ -37,7 +37,7 @@ from ..conf import platform_settings
 from ..core.publisher import HEADER_EXECUTION, HEADER_LEASE
 from ..core.validation import encode_result, is_idempotent
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP, resolve_error_classes
-from ..exceptions import IdempotencyKeyConflictError, StaleExecutionError
+from ..exceptions import IdempotencyKeyConflictError, StaleExecutionError, TaskError
 from ..observability.logs import execution_context, remember_task
 from .lazy import lazy_module
 from .owner import owner_alive, worker_identity
@@ -615,6 +615,13 @@ class IdempotentTask(Task):
         execution = self.execution
         if execution is None or self.request.is_eager:
             return super().on_replace(sig)
+        if execution.flow_id is not None:
+            # The flow would take the replaced step for done and move on before the replacement
+            # ran, and nothing would undo the replacement's work: refused, the step fails.
+            raise TaskError(
+                "a flow's step cannot replace itself (self.replace): its flow would move on before "
+                "the replacement ran; make the replacement a step of the flow"
+            )
         if _ledger_replaceable(self.app, sig):
             key = f"{execution.idempotency_key}:replaced"
             if len(key) > 255:
