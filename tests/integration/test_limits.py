@@ -80,12 +80,23 @@ def test_a_concurrency_limit_of_two_holds_across_two_workers_and_a_sigkill(worke
     n = 200
     submit_limited("testapp.limited", n, "conc", seconds=0.05)
 
-    # Kill the first worker while one of its pool processes runs a body (so holds a slot).
+    # Kill the first worker while one of its pool processes runs a body (so holds a slot). A
+    # body lasts 50 ms: seen running, it may have ended before a kill sent next. So the worker
+    # is frozen first (SIGSTOP), the open body is looked for while it cannot end, and the kill
+    # follows; if none was open, the worker is let go on and the next body is waited for.
     def doomed_running() -> bool:
         pids = {c.pid for c in doomed.pool_children()}
         return Span.objects.filter(ended__isnull=True, pid__in=pids).exists() and Span.objects.count() >= 40
 
-    poll(doomed_running, timeout=90, what="a body running on the first worker, 40 in")
+    def frozen_mid_body() -> bool:
+        poll(doomed_running, timeout=90, what="a body running on the first worker, 40 in")
+        os.killpg(doomed.pid, signal.SIGSTOP)
+        if doomed_running():
+            return True
+        os.killpg(doomed.pid, signal.SIGCONT)
+        return False
+
+    poll(frozen_mid_body, timeout=120, interval=0.05, what="the first worker frozen while it runs a body")
     os.killpg(doomed.pid, signal.SIGKILL)
     killed_at = time.time()
     try:
