@@ -34,9 +34,20 @@ def claim(execution: Execution, message: str = "m-0") -> ledger.Claim:
     return ledger.claim(execution, worker="node:1", celery_task_id=message, lease_seconds=30, max_attempts=3)
 
 
-def wait(c: ledger.Claim, delay: float = 5.0) -> Execution:
+#: The id of the limit the ledger-only tests' rows wait on (a waiting row names its limit; no
+#: ``Limit`` row is needed for the ledger's side).
+LIMIT_ID = 7
+
+
+def wait(c: ledger.Claim, delay: float = 5.0, limit_id: int = LIMIT_ID) -> Execution:
     assert ledger.wait_for_limit(
-        c.execution, c.token, delay_seconds=delay, worker="node:1", reason="full", data={"limit": "task:x"}
+        c.execution,
+        c.token,
+        delay_seconds=delay,
+        worker="node:1",
+        reason="full",
+        data={"limit": "task:x"},
+        limit_id=limit_id,
     )
     return Execution.objects.get(pk=c.execution.pk)
 
@@ -80,7 +91,7 @@ def test_only_the_current_message_claims_a_waiting_row():
     so a row that waits many times keeps one message in flight."""
     row = wait(claim(new("w4")))
     old = row.celery_task_id
-    assert ledger.wake_waiter(task_name="testapp.limited", actor="node:2", reason="a slot freed")
+    assert ledger.wake_waiter(LIMIT_ID, actor="node:2", reason="a slot freed")
     row.refresh_from_db()
     assert row.celery_task_id != old and row.publish_count == 2
     stale = claim(row, old)
@@ -90,17 +101,19 @@ def test_only_the_current_message_claims_a_waiting_row():
     assert kinds(row) == ["claimed", "waiting_for_limit", "woken", "superseded_delivery", "claimed"]
 
 
-def test_a_wake_takes_the_longest_waiting_row_of_the_scope_only():
+def test_a_wake_takes_the_longest_waiting_row_refused_by_that_limit_only():
+    """Rows of one task can wait on the task's limit or on their job's: a freed slot of one
+    wakes the oldest waiter of that one, even when an older row waits on the other."""
     job, _ = define_job("limited-job", task="testapp.limited")
+    of_job = wait(claim(new("w7", job=job)), limit_id=LIMIT_ID + 1)
     first, second = wait(claim(new("w5"))), wait(claim(new("w6")))
-    of_job = wait(claim(new("w7", job=job)))
     before = {e.pk: e.publish_count for e in (first, second, of_job)}
-    assert ledger.wake_waiter(job_id=job.pk, actor="n", reason="")
+    assert ledger.wake_waiter(LIMIT_ID, actor="n", reason="")
+    counts = dict(Execution.objects.filter(pk__in=before).values_list("pk", "publish_count"))
+    assert counts == {first.pk: before[first.pk] + 1, second.pk: before[second.pk], of_job.pk: before[of_job.pk]}
+    assert ledger.wake_waiter(LIMIT_ID + 1, actor="n", reason="")
     assert Execution.objects.get(pk=of_job.pk).publish_count == before[of_job.pk] + 1
-    assert ledger.wake_waiter(task_name="testapp.limited", actor="n", reason="")
-    counts = dict(Execution.objects.filter(pk__in=[first.pk, second.pk]).values_list("pk", "publish_count"))
-    assert counts == {first.pk: before[first.pk] + 1, second.pk: before[second.pk]}
-    assert not ledger.wake_waiter(task_name="testapp.nothing_waits", actor="n", reason="")
+    assert not ledger.wake_waiter(LIMIT_ID + 2, actor="n", reason="")
 
 
 def test_an_operator_can_cancel_a_waiting_execution():
@@ -300,12 +313,12 @@ def test_a_limit_whose_backend_alias_was_removed_makes_executions_wait_not_fail(
 
 def test_two_slots_freed_together_wake_two_waiters_not_one_twice():
     first, second = wait(claim(new("t1"))), wait(claim(new("t2")))
-    assert ledger.wake_waiter(task_name="testapp.limited", actor="n", reason="")
-    assert ledger.wake_waiter(task_name="testapp.limited", actor="n", reason="")
+    assert ledger.wake_waiter(LIMIT_ID, actor="n", reason="")
+    assert ledger.wake_waiter(LIMIT_ID, actor="n", reason="")
     counts = dict(Execution.objects.filter(pk__in=[first.pk, second.pk]).values_list("pk", "publish_count"))
     assert counts == {first.pk: 2, second.pk: 2}, "each woken once"
-    assert not ledger.wake_waiter(task_name="testapp.limited", actor="n", reason=""), "both are on their way"
-    assert ledger.count_waiting(task_name="testapp.limited") == 2
+    assert not ledger.wake_waiter(LIMIT_ID, actor="n", reason=""), "both are on their way"
+    assert ledger.count_waiting(task_name="testapp.limited") == ledger.count_waiting(limit_id=LIMIT_ID) == 2
 
 
 def test_a_body_does_not_start_when_its_lease_ran_out_while_the_slots_were_taken(locmem, monkeypatch):
@@ -313,26 +326,29 @@ def test_a_body_does_not_start_when_its_lease_ran_out_while_the_slots_were_taken
     watches the attempt; a lock server slow to answer (Redlock with a stalled node, many slot
     names) outlasted the lease, the rescuer re-queued the row, another attempt claimed it, and
     the first attempt's body still started: two bodies for one execution. The attempt now
-    renews its lease once the slots are taken and starts the body only if that succeeds."""
+    renews its lease once the running slots are taken and starts the body only if that
+    succeeds."""
+    from taskplatform.backends.locmem import LocMemLockBackend
     from tests.testapp.models import Span
     from tests.testapp.tasks import limited
 
     Limit.objects.create(task_name="testapp.limited", concurrency=5)
     limits.rules.reset()
     execution = new("slow-slots")
-    real_acquire = limits.acquire
+    real_acquire_any = LocMemLockBackend.acquire_any
     taken_over: list[int] = []
 
-    def slow_acquire(rules, row, **kwargs):
-        held = real_acquire(rules, row, **kwargs)
+    def slow_acquire_any(self, names, ttl, identity=None):
+        lease = real_acquire_any(self, names, ttl, identity)
         # Meanwhile the lease ran out, the rescuer re-queued the row and another worker claimed it.
-        Execution.objects.filter(pk=row.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
-        assert ledger.rescue_expired(Execution.objects.get(pk=row.pk), max_attempts=3, now=timezone.now()) == "rescued"
-        other = claim(Execution.objects.get(pk=row.pk), Execution.objects.get(pk=row.pk).celery_task_id)
-        taken_over.append(other.token)
-        return held
+        Execution.objects.filter(pk=execution.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+        row = Execution.objects.get(pk=execution.pk)
+        assert ledger.rescue_expired(row, max_attempts=3, now=timezone.now()) == "rescued"
+        row = Execution.objects.get(pk=execution.pk)
+        taken_over.append(claim(row, row.celery_task_id).token)
+        return lease
 
-    monkeypatch.setattr(limits, "acquire", slow_acquire)
+    monkeypatch.setattr(LocMemLockBackend, "acquire_any", slow_acquire_any)
     limited.apply(task_id="m-0", headers={"tp_execution": execution.pk})
     assert taken_over, "the scenario ran"
     assert Span.objects.filter(key="slow-slots").count() == 0, "the stale attempt's body started"
@@ -346,27 +362,32 @@ def test_a_lease_that_ran_out_while_the_slots_were_taken_gives_the_claim_and_the
     nobody had acted on the row yet, the body rightly did not start, but the row was left
     RUNNING for the rescuer, which spent the attempt (a dead letter "worker lost" for a body
     that never ran), and the rate limit's start slot was kept. The claim is now given back
-    uncounted, the execution published again at once, and the start slot returned."""
+    uncounted, the execution published again at once, and the start slot returned. Here the
+    start slot itself is slow: it is taken after the lease's renewal, so its time is measured
+    against the lease (a fake clock makes the instants exact)."""
+    from taskplatform.backends.locmem import LocMemLockBackend
     from tests.testapp.models import Span
     from tests.testapp.tasks import limited
 
     Limit.objects.create(task_name="testapp.limited", rate=1, per_seconds=60)
     limits.rules.reset()
     execution = new("slow-start")
-    real_acquire = limits.acquire
+    real_acquire_any = LocMemLockBackend.acquire_any
+    now = [1000.0]
 
-    def slow_acquire(rules, row, **kwargs):
-        held = real_acquire(rules, row, **kwargs)
-        Execution.objects.filter(pk=row.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
-        return held  # nobody acts on the row meanwhile
+    def slow_acquire_any(self, names, ttl, identity=None):
+        lease = real_acquire_any(self, names, ttl, identity)
+        now[0] += 30.0  # the lock server answered after the whole lease (the tests' lease is 6 s)
+        return lease
 
-    monkeypatch.setattr(limits, "acquire", slow_acquire)
+    monkeypatch.setattr(limits.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(LocMemLockBackend, "acquire_any", slow_acquire_any)
     limited.apply(task_id="m-0", headers={"tp_execution": execution.pk})
     assert Span.objects.filter(key="slow-start").count() == 0
     row = Execution.objects.get(pk=execution.pk)
     assert (row.state, row.attempts) == (State.WAITING, 0), "the attempt was spent on a body that never ran"
     assert row.publish_count == execution.publish_count + 1 and row.celery_task_id != "m-0", "published again"
-    monkeypatch.setattr(limits, "acquire", real_acquire)
+    monkeypatch.setattr(LocMemLockBackend, "acquire_any", real_acquire_any)
     again = claim(row, row.celery_task_id)
     assert isinstance(
         limits.acquire(limits.rules_for(row), again.execution, lease_seconds=30, worker="n"), limits.Held
@@ -425,3 +446,227 @@ def test_a_limit_its_backend_could_never_grant_is_refused(settings):
         assert Limit.objects.count() == 1
     finally:
         get_lock_backend.cache_clear()
+
+
+# --- review 15, round 4 ---------------------------------------------------------------------------
+
+
+def _free_slot_taken_by_another(execution_key: str = "after") -> bool:
+    """Whether another execution of the task can take a slot of its limit now."""
+    other = claim(new(execution_key))
+    got = limits.acquire(limits.rules_for(other.execution), other.execution, lease_seconds=30, worker="n")
+    return isinstance(got, limits.Held)
+
+
+def test_a_lease_renewal_that_fails_after_the_slots_were_taken_gives_them_back(locmem, monkeypatch):
+    """Review 15 (round 4): the renewal of the lease after the slots were taken raised (the
+    database went away): the task raised, but its slot stayed with the slot keeper, renewed for
+    as long as the worker lived, and a limit of 1 let nothing of the task run again."""
+    from django.db import OperationalError
+
+    from tests.testapp.models import Span
+    from tests.testapp.tasks import limited
+
+    Limit.objects.create(task_name="testapp.limited", concurrency=1)
+    limits.rules.reset()
+    execution = new("renewal-fails")
+
+    def database_gone(execution_id, token, lease_seconds):
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(ledger, "renew_lease", database_gone)
+    with pytest.raises(OperationalError):
+        limited.apply(task_id="m-0", headers={"tp_execution": execution.pk}, throw=True)
+    monkeypatch.undo()
+    assert Span.objects.filter(key="renewal-fails").count() == 0, "the body started without its lease renewed"
+    assert _free_slot_taken_by_another(), "the slot of an attempt that never started its body was kept"
+
+
+def test_a_lease_renewal_on_a_stale_connection_is_retried_and_the_body_runs(locmem, monkeypatch):
+    """The renewal after the slots is retried once on a fresh connection, like the worker's
+    other writes: a connection the server closed while idle does not cost the attempt."""
+    from django.db import OperationalError
+
+    from tests.testapp.models import Span
+    from tests.testapp.tasks import limited
+
+    Limit.objects.create(task_name="testapp.limited", concurrency=1)
+    limits.rules.reset()
+    execution = new("renewal-blip")
+    real = ledger.renew_lease
+    failures = [OperationalError("server closed the connection unexpectedly")]
+
+    def blip_once(execution_id, token, lease_seconds):
+        if failures:
+            raise failures.pop()
+        return real(execution_id, token, lease_seconds)
+
+    monkeypatch.setattr(ledger, "renew_lease", blip_once)
+    limited.apply(task_id="m-0", headers={"tp_execution": execution.pk}, throw=True)
+    monkeypatch.undo()
+    assert Span.objects.filter(key="renewal-blip").count() == 1
+    assert Execution.objects.get(pk=execution.pk).state == State.SUCCEEDED
+    assert _free_slot_taken_by_another(), "the slot was released with the body"
+
+
+def test_an_error_between_the_slots_and_the_body_gives_the_slots_back(locmem, monkeypatch):
+    """Anything raised after the slots were granted and before the body's own error handling
+    (here the lease keeper cannot start its thread) gives the slots back."""
+    from taskplatform.core import leases
+    from tests.testapp.models import Span
+    from tests.testapp.tasks import limited
+
+    Limit.objects.create(task_name="testapp.limited", concurrency=1)
+    limits.rules.reset()
+    execution = new("watch-fails")
+
+    def no_thread(self, *args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(leases.LeaseKeeper, "watch", no_thread)
+    with pytest.raises(RuntimeError):
+        limited.apply(task_id="m-0", headers={"tp_execution": execution.pk}, throw=True)
+    monkeypatch.undo()
+    assert Span.objects.filter(key="watch-fails").count() == 0
+    assert _free_slot_taken_by_another()
+
+
+def test_the_wait_for_an_unreachable_lock_backend_doubles_with_each_wait_in_a_row(settings):
+    """Review 15 (round 4): the docs said the backoff doubles with each wait, but every wait
+    reset the count it was computed from, so a backlog cycled through claims every 2.5 to 10 s
+    for the whole outage. Each wait now counts (``limit_backoffs``): 5 s doubling, up to the
+    lease, jittered down to half; a wait for a full limit starts the count again."""
+    settings.TASKPLATFORM_LOCK_BACKENDS = {
+        "default": {"BACKEND": "taskplatform.backends.db.DatabaseLockBackend"},
+        "down": {
+            "BACKEND": "taskplatform.backends.redis.RedisLockBackend",
+            "OPTIONS": {"url": "redis://127.0.0.1:1/0", "socket_timeout": 0.2},
+        },
+    }
+    Limit.objects.create(task_name="testapp.limited", concurrency=5, backend="down")
+    limits.rules.reset()
+    row = new("down-long")
+    lease = 300
+    for n in range(8):
+        c = claim(row, row.celery_task_id)
+        assert c.outcome == "claimed"
+        refusal = limits.acquire(limits.rules_for(c.execution), c.execution, lease_seconds=lease, worker="n")
+        assert isinstance(refusal, limits.Refusal) and refusal.kind == "unavailable"
+        ceiling = min(lease, limits.BACKEND_DOWN_WAIT_SECONDS * 2**n)
+        assert ceiling / 2 <= refusal.delay_seconds <= ceiling, f"wait {n + 1}: {refusal.delay_seconds:.1f} s"
+        assert limits.wait(c.execution, c.token, refusal, worker="n")
+        row = Execution.objects.get(pk=row.pk)
+        assert row.limit_backoffs == n + 1
+    limits.rules.reset()
+    # The backend is back and the limit full: the count starts again.
+    c = claim(row, row.celery_task_id)
+    full = limits.Refusal(limits.rules_for(c.execution)[0], "concurrency", 15.0, "full")
+    assert limits.wait(c.execution, c.token, full, worker="n")
+    assert Execution.objects.get(pk=row.pk).limit_backoffs == 0
+    limits.rules.reset()
+
+
+def test_a_freed_slot_wakes_a_waiter_of_its_own_limit_not_an_older_one_waiting_on_its_job_limit(locmem):
+    """Review 15 (round 4): wakes went to the oldest waiting row of the task, which could be
+    waiting on its job's limit: it took the task's slot, was refused by its job's limit again
+    and gave the slot back, so every wake of the task's limit was lost and its waiters ran only
+    on their backstops. A waiting row now names the limit that refused it."""
+    job, _ = define_job("one-at-a-time", task="testapp.limited")
+    task_limit = Limit.objects.create(task_name="testapp.limited", concurrency=2)
+    job_limit = Limit.objects.create(job=job, concurrency=1)
+    limits.rules.reset()
+
+    def acquire(c):
+        return limits.acquire(limits.rules_for(c.execution), c.execution, lease_seconds=30, worker="n")
+
+    assert isinstance(acquire(claim(new("job-holder", job=job))), limits.Held)  # task 1/2, job 1/1
+    of_job = claim(new("of-job", job=job))  # the older waiter
+    refused = acquire(of_job)
+    assert isinstance(refused, limits.Refusal) and refused.rule.id == job_limit.pk
+    assert limits.wait(of_job.execution, of_job.token, refused, worker="n")
+    plain_holder = acquire(claim(new("plain-holder")))  # task 2/2
+    assert isinstance(plain_holder, limits.Held)
+    plain = claim(new("plain"))
+    refused = acquire(plain)
+    assert isinstance(refused, limits.Refusal) and refused.rule.id == task_limit.pk
+    assert limits.wait(plain.execution, plain.token, refused, worker="n")
+
+    limits.release(plain_holder, worker="n")  # a task slot frees
+    assert "woken" in kinds(plain.execution), "the waiter of the task's limit was not woken"
+    assert "woken" not in kinds(of_job.execution), "the wake went to a row its job's limit refuses"
+    assert ledger.count_waiting(limit_id=task_limit.pk) == ledger.count_waiting(limit_id=job_limit.pk) == 1
+
+
+def test_a_slot_given_back_by_a_refused_start_wakes_a_waiter_of_its_limit(locmem):
+    """Review 15 (round 4): an execution that took the task's slot and was then refused by its
+    job's limit gave the task's slot back without waking anyone: a row refused by the task's
+    limit meanwhile (the slot was taken then) waited for its backstop with the slot free."""
+    job, _ = define_job("once-a-minute", task="testapp.limited")
+    task_limit = Limit.objects.create(task_name="testapp.limited", concurrency=1)
+    Limit.objects.create(job=job, rate=1, per_seconds=60)
+    limits.rules.reset()
+
+    def acquire(c, **kwargs):
+        return limits.acquire(limits.rules_for(c.execution), c.execution, lease_seconds=30, worker="n", **kwargs)
+
+    first = acquire(claim(new("job-first", job=job)))
+    assert isinstance(first, limits.Held)
+    limits.release(first, worker="n")  # its body ran: the job's one start this minute is spent
+    plain = claim(new("plain-2"))
+
+    def meanwhile() -> bool:
+        # Between the job row's task slot and its start slot, a plain row finds the task full.
+        refusal = acquire(plain)
+        assert isinstance(refusal, limits.Refusal) and refusal.rule.id == task_limit.pk
+        return limits.wait(plain.execution, plain.token, refusal, worker="n")
+
+    refused = acquire(claim(new("job-second", job=job)), confirm=meanwhile)
+    assert isinstance(refused, limits.Refusal) and refused.kind == "rate"
+    assert "waiting_for_limit" in kinds(plain.execution), "the scenario ran"
+    assert "woken" in kinds(plain.execution), "the task's slot was given back and its waiter left waiting"
+
+
+@pytest.mark.parametrize("slow", ["another limit's slot", "the lease renewal"])
+def test_a_start_slot_is_taken_last_so_a_slow_step_before_it_does_not_shorten_the_window(locmem, monkeypatch, slow):
+    """Review 15 (round 4): the task's start slot was taken before the job's running slot and
+    before the lease renewal; when that took 0.4 s (Redlock with a node that does not answer),
+    the body started 0.4 s after its start slot was counted, and two bodies started 0.65 s
+    apart under a rate of 1 a second. Start slots are now taken last. A fake clock for the
+    locmem twin makes the instants exact."""
+    from taskplatform.backends import locmem as locmem_module
+    from taskplatform.backends.locmem import LocMemLockBackend
+
+    now = [1000.0]
+    monkeypatch.setattr(locmem_module.time, "monotonic", lambda: now[0])
+    job, _ = define_job("rate-and-slow-slot", task="testapp.limited")
+    Limit.objects.create(task_name="testapp.limited", rate=1, per_seconds=1)
+    Limit.objects.create(job=job, concurrency=5)
+    limits.rules.reset()
+    slow_once = [0.4]
+    real_acquire_any = LocMemLockBackend.acquire_any
+
+    def slow_running_slot(self, names, ttl, identity=None):
+        if slow == "another limit's slot" and ":running:" in names[0] and slow_once:
+            now[0] += slow_once.pop()
+        return real_acquire_any(self, names, ttl, identity)
+
+    def renewal() -> bool:
+        if slow == "the lease renewal" and slow_once:
+            now[0] += slow_once.pop()
+        return True
+
+    monkeypatch.setattr(LocMemLockBackend, "acquire_any", slow_running_slot)
+    starts = []
+    for key in ("first", "second"):
+        c = claim(new(key, job=job))
+        for _attempt in range(1000):  # a try every 10 ms of the fake clock: 10 s at most
+            got = limits.acquire(
+                limits.rules_for(c.execution), c.execution, lease_seconds=30, worker="n", confirm=renewal
+            )
+            if isinstance(got, limits.Held):
+                break
+            now[0] += 0.01
+        assert isinstance(got, limits.Held)
+        starts.append(now[0])  # the body starts now
+        limits.release(got, worker="n")
+    assert starts[1] - starts[0] >= 1.0, f"two starts {starts[1] - starts[0]:.2f} s apart under 1 a second"

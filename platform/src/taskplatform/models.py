@@ -252,6 +252,17 @@ class Execution(models.Model):
         null=True, blank=True, help_text="When the rescuer next publishes this row if no worker claimed it."
     )
     publish_count = models.PositiveIntegerField(default=0)
+    #: Not a foreign key: a deleted limit leaves its waiters to their due time, and the hot path
+    #: pays no constraint for it.
+    waiting_on_limit = models.BigIntegerField(
+        null=True, blank=True, help_text="WAITING: the fleet-wide limit that refused it (a slot of it freed wakes it)."
+    )
+    # ``db_default`` too: a process of the previous release, mid-deploy, inserts without it.
+    limit_backoffs = models.PositiveIntegerField(
+        default=0,
+        db_default=0,
+        help_text="Waits in a row whose limit slots could not be counted (lock backend down): the next backs off.",
+    )
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

@@ -753,15 +753,27 @@ def schedule_retry(
 
 
 def wait_for_limit(
-    execution: Execution, token: int, *, delay_seconds: float, worker: str, reason: str, data: dict[str, Any]
+    execution: Execution,
+    token: int,
+    *,
+    delay_seconds: float,
+    worker: str,
+    reason: str,
+    data: dict[str, Any],
+    limit_id: int | None = None,
+    backing_off: bool = False,
 ) -> bool:
     """Give back the claim of the attempt holding ``token``: a fleet-wide limit is full.
 
     The row goes ``RUNNING → WAITING`` with its attempt uncounted (``attempts`` back to what
     it was before the claim; the fencing token keeps growing). Like a retry's, a short wait
     rides on the broker as a countdown and a long one is parked; either way ``due_at`` is the
-    rescuer's backstop, and a holder that frees a slot wakes the first waiter at once
-    (``wake_waiter``). Returns False, changing nothing, if ``token`` is stale.
+    rescuer's backstop, and a holder that frees a slot of limit ``limit_id`` (the one that
+    refused it, kept in ``waiting_on_limit``) wakes its first waiter at once (``wake_waiter``).
+    ``backing_off``: the slots could not be counted (the lock backend unreachable, the lease
+    ran out while taking them); ``limit_backoffs`` counts such waits in a row, and the worker
+    doubles the next one's delay with it (any other wait starts the count again). Returns
+    False, changing nothing, if ``token`` is stale.
     """
     conf = platform_settings()
     now = timezone.now()
@@ -778,6 +790,8 @@ def wait_for_limit(
             "celery_task_id": task_id,
             "lease_expires_at": None,
             "scheduled_for": None,  # for a waiting row: when it was last woken (none yet)
+            "waiting_on_limit": limit_id,
+            "limit_backoffs": execution.limit_backoffs + 1 if backing_off else 0,
             "updated_at": now,
         }
         if not _cas(execution, State.RUNNING, token, **changes):
@@ -805,14 +819,17 @@ def wait_for_limit(
 WOKEN_GRACE = timedelta(seconds=30)
 
 
-def wake_waiter(*, task_name: str | None = None, job_id: int | None = None, actor: str, reason: str) -> bool:
-    """Publish the longest-waiting ``WAITING`` execution of a task (or of a job) now: a slot
-    of its limit has just freed. Its new message supersedes the one it had (see ``claim``).
+def wake_waiter(limit_id: int, *, actor: str, reason: str) -> bool:
+    """Publish the longest-waiting ``WAITING`` execution refused by limit ``limit_id`` now: a
+    slot of that limit has just freed. Only a row that waits on this limit: a row of the same
+    task waiting on its job's limit would take the slot, be refused by its own limit again and
+    give the slot back, and the wake would be lost to the rows that could use it. Its new
+    message supersedes the one it had (see ``claim``).
     A row already woken whose message is on its way is passed over (``scheduled_for`` holds
     when a waiting row was woken): two slots freed together wake two waiters, and one row does
     not collect a message per release. False if nothing waits (or every candidate moved)."""
     now = timezone.now()
-    for execution in _waiters(task_name, job_id, now - WOKEN_GRACE):
+    for execution in _waiters(limit_id, now - WOKEN_GRACE):
         count = execution.publish_count + 1
         task_id = new_task_id()
         with transaction.atomic():
@@ -844,31 +861,38 @@ def wake_waiter(*, task_name: str | None = None, job_id: int | None = None, acto
     return False
 
 
-def _waiters(task_name: str | None, job_id: int | None, woken_before: datetime) -> list[Execution]:
-    """The first few ``WAITING`` rows of a scope not woken since ``woken_before``, oldest first.
-    Run after every limited body, and nearly always finding none: one fixed statement (the
-    ORM's compilation cost several times the query's own time) with the state as a literal, so
-    PostgreSQL and SQLite use the partial indexes over waiting rows (migration 0010)."""
+def _waiters(limit_id: int, woken_before: datetime) -> list[Execution]:
+    """The first few ``WAITING`` rows refused by limit ``limit_id`` not woken since
+    ``woken_before``, oldest first. Run after every limited body, and nearly always finding
+    none: one fixed statement (the ORM's compilation cost several times the query's own time)
+    with the state as a literal, so PostgreSQL and SQLite use the partial index over waiting
+    rows (migration 0011)."""
     qn = connection.ops.quote_name
-    column, value = ("job_id", job_id) if job_id is not None else ("task_name", task_name)
     fields = ("id", "fencing_token", "publish_count", "celery_task_id")
     sql = (
         f"SELECT {', '.join(map(qn, fields))} FROM {qn(Execution._meta.db_table)} "
-        f"WHERE {qn('state')} = 'WAITING' AND {qn(column)} = %s "
+        f"WHERE {qn('state')} = 'WAITING' AND {qn('waiting_on_limit')} = %s "
         f"AND ({qn('scheduled_for')} IS NULL OR {qn('scheduled_for')} < %s) ORDER BY {qn('id')} LIMIT 3"
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [value, woken_before])
+        cursor.execute(sql, [limit_id, woken_before])
         rows = cursor.fetchall()
-    return [Execution(pk=pk, fencing_token=token, publish_count=count, celery_task_id=task_id, state=State.WAITING,
-                      task_name=task_name or "", job_id=job_id) for pk, token, count, task_id in rows]  # fmt: skip
+    return [Execution(pk=pk, fencing_token=token, publish_count=count, celery_task_id=task_id, state=State.WAITING)
+            for pk, token, count, task_id in rows]  # fmt: skip
 
 
-def count_waiting(*, task_name: str | None = None, job_id: int | None = None, cap: int = 10_000) -> int:
-    """How many executions of a task (or of a job) wait, counted up to ``cap`` (the partial
-    indexes over waiting rows make it cheap; a larger backlog reads as ``cap``)."""
+def count_waiting(
+    *, task_name: str | None = None, job_id: int | None = None, limit_id: int | None = None, cap: int = 10_000
+) -> int:
+    """How many executions of a task (or of a job, or refused by limit ``limit_id``) wait,
+    counted up to ``cap`` (the partial indexes over waiting rows make it cheap; a larger
+    backlog reads as ``cap``)."""
     qn = connection.ops.quote_name
-    column, value = ("job_id", job_id) if job_id is not None else ("task_name", task_name)
+    value: int | str | None
+    if limit_id is not None:
+        column, value = "waiting_on_limit", limit_id
+    else:
+        column, value = ("job_id", job_id) if job_id is not None else ("task_name", task_name)
     sql = (
         f"SELECT COUNT(*) FROM (SELECT 1 FROM {qn(Execution._meta.db_table)} "
         f"WHERE {qn('state')} = 'WAITING' AND {qn(column)} = %s LIMIT {int(cap)}) AS waiting"

@@ -40,7 +40,7 @@ from ..exceptions import LockError
 from ..models import Execution, Limit
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
 log = logging.getLogger("taskplatform.limits")
 
@@ -158,52 +158,129 @@ def rules_for(execution: Execution) -> list[Rule]:
     return rules.for_execution(execution)
 
 
-def acquire(applicable: Sequence[Rule], execution: Execution, *, lease_seconds: int, worker: str) -> Held | Refusal:
+def acquire(
+    applicable: Sequence[Rule],
+    execution: Execution,
+    *,
+    lease_seconds: int,
+    worker: str,
+    confirm: Callable[[], bool] | None = None,
+) -> Held | Refusal:
     """Take a slot of every limit in ``applicable`` for the attempt now claimed on
     ``execution``: the running slots it keeps (``Held``), or the first refusal, having given
-    back whatever it had taken."""
+    back whatever it had taken.
+
+    In this order: every running slot, then ``confirm()`` (the worker's lease renewal: False
+    when the lease ran out meanwhile), then every start slot, last. A start slot counts from
+    its grant, so nothing slow (another limit's round trip, the renewal) may sit between it
+    and the body's start: the rate's margin covers only a few milliseconds. Anything raised
+    (``confirm``'s database error, a soft time limit) propagates after everything taken was
+    given back: a running slot kept by the slot keeper would be renewed for as long as the
+    process lives, and its limit would be one short for good.
+    """
     held = Held()
-    started: list[tuple[LockBackend, Lease]] = []
-    identity = f"execution:{execution.pk}@{worker}"
-    refusal: Refusal | None = None
-    for rule in applicable:
-        try:
-            backend = get_lock_backend(rule.backend)
-            if rule.concurrency:
-                lease = backend.acquire_any(rule.running_slots(), lease_seconds, identity)
-                if lease is None:
-                    refusal = _full(rule, "concurrency", execution, lease_seconds)
-                    break
-                held.leases.append((rule, backend, lease))
-            if rule.rate:
-                lease = backend.acquire_any(rule.started_slots(), rule.per_seconds + RATE_MARGIN_SECONDS, identity)
-                if lease is None:
-                    refusal = _full(rule, "rate", execution, lease_seconds)
-                    break
-                started.append((backend, lease))
-        except Exception as exc:  # fails closed: an unreachable backend, a removed alias, a refused TTL
-            log.error(
-                "the slots of a fleet-wide limit could not be counted; the execution waits",
-                exc_info=True,
-                extra={"execution_id": execution.pk, "limit": rule.scope},
-            )
-            # Backs off with the execution's publications (each wait is one), with jitter: a
-            # backlog must not cycle through claims every few seconds while the backend is down.
-            backoff = min(float(lease_seconds), BACKEND_DOWN_WAIT_SECONDS * 2 ** min(execution.publish_count, 6))
-            why = "lock backend unreachable" if isinstance(exc, LockError) else f"{type(exc).__name__}: {exc}"
-            refusal = Refusal(rule, "unavailable", backoff * random.uniform(0.5, 1.0), f"limit {rule.scope}: {why}")
-            break
+    try:
+        refusal = _take(applicable, execution, held, lease_seconds, f"execution:{execution.pk}@{worker}", confirm)
+    except BaseException:
+        _give_back_taken(held, None, worker=worker)
+        raise
     if refusal is None:
-        held.starts = started
         if held.leases:
             slot_keeper().hold(held)
         return held
     # Nothing starts: what was taken goes back (a start slot too, for no start happened).
-    for backend, lease in started:
-        _release_quietly(backend, lease)
-    for _rule, backend, lease in held.leases:
-        _release_quietly(backend, lease)
+    _give_back_taken(held, None if refusal.kind == "lease" else refusal.rule, worker=worker)
     return refusal
+
+
+def _take(
+    applicable: Sequence[Rule],
+    execution: Execution,
+    held: Held,
+    lease_seconds: int,
+    identity: str,
+    confirm: Callable[[], bool] | None,
+) -> Refusal | None:
+    """``acquire``'s steps, recording in ``held`` what was taken; the first refusal, or None."""
+    for rule in applicable:
+        if rule.concurrency:
+            try:
+                backend = get_lock_backend(rule.backend)
+                lease = backend.acquire_any(rule.running_slots(), lease_seconds, identity)
+            except Exception as exc:
+                return _unavailable(rule, exc, execution, lease_seconds)
+            if lease is None:
+                return _full(rule, "concurrency", execution, lease_seconds)
+            held.leases.append((rule, backend, lease))
+    renewed_at = time.monotonic()
+    if confirm is not None and not confirm():
+        return _late(applicable[0], execution, lease_seconds)
+    for rule in applicable:
+        if rule.rate:
+            try:
+                backend = get_lock_backend(rule.backend)
+                lease = backend.acquire_any(rule.started_slots(), rule.per_seconds + RATE_MARGIN_SECONDS, identity)
+            except Exception as exc:
+                return _unavailable(rule, exc, execution, lease_seconds)
+            if lease is None:
+                return _full(rule, "rate", execution, lease_seconds)
+            held.starts.append((backend, lease))
+    if confirm is not None and time.monotonic() - renewed_at > lease_seconds / 2:
+        # The start slots took longer than half the lease renewed before them (no second round
+        # trip here, which would sit between the start slots and the body): the lease may run
+        # out before the lease keeper's first renewal, so the body does not start.
+        return _late(applicable[0], execution, lease_seconds)
+    return None
+
+
+def _late(rule: Rule, execution: Execution, lease_seconds: int) -> Refusal:
+    """The lease ran out (or nearly) while the slots were taken. If nobody has acted on the row
+    yet, the claim is given back uncounted and the execution published again: at once the
+    first time, then backing off (a lock server always slower than the lease would otherwise
+    cycle the row through claims for good)."""
+    delay = _backoff(execution.limit_backoffs, lease_seconds) if execution.limit_backoffs else 0.0
+    return Refusal(rule, "lease", delay, "the lease ran out while the slots were taken")
+
+
+def _give_back_taken(held: Held, refused_by: Rule | None, *, worker: str) -> None:
+    """Release what ``acquire`` took for a start that does not happen. Each running slot
+    given back wakes a waiter of its limit, as a body's end does (a refusal that gave its slot
+    back silently left the waiters of that limit to their backstops), except the refusing
+    limit's own: its waiters would meet the same refusal and wake one another in a loop."""
+    for backend, lease in held.starts:
+        _release_quietly(backend, lease)
+    held.starts = []
+    held.released = True
+    slot_keeper().drop(held)
+    for rule, backend, lease in held.leases:
+        _release_quietly(backend, lease)
+        if refused_by is None or rule.id != refused_by.id:
+            _wake(rule, worker=worker, reason=f"a slot of {rule.scope} was given back")
+
+
+def _backoff(waits: int, lease_seconds: int) -> float:
+    """The wait, jittered, after ``waits`` consecutive waits whose slots could not be counted:
+    ``BACKEND_DOWN_WAIT_SECONDS`` doubling with each, up to the lease.
+
+    >>> 2.5 <= _backoff(0, 60) <= 5.0 and 20.0 <= _backoff(3, 60) <= 40.0 and _backoff(9, 60) <= 60.0
+    True
+    """
+    return min(float(lease_seconds), BACKEND_DOWN_WAIT_SECONDS * 2 ** min(waits, 10)) * random.uniform(0.5, 1.0)
+
+
+def _unavailable(rule: Rule, exc: Exception, execution: Execution, lease_seconds: int) -> Refusal:
+    """Fails closed: an unreachable backend, a removed alias, a refused TTL."""
+    log.error(
+        "the slots of a fleet-wide limit could not be counted; the execution waits",
+        exc_info=exc,
+        extra={"execution_id": execution.pk, "limit": rule.scope},
+    )
+    # Backs off with the execution's consecutive waits of this kind (``limit_backoffs``, kept by
+    # ``ledger.wait_for_limit``): a backlog must not cycle through claims every few seconds
+    # for as long as the backend is down.
+    why = "lock backend unreachable" if isinstance(exc, LockError) else f"{type(exc).__name__}: {exc}"
+    delay = _backoff(execution.limit_backoffs, lease_seconds)
+    return Refusal(rule, "unavailable", delay, f"limit {rule.scope}: {why}")
 
 
 def _full(rule: Rule, kind: str, execution: Execution, lease_seconds: int) -> Refusal:
@@ -227,10 +304,9 @@ def _full(rule: Rule, kind: str, execution: Execution, lease_seconds: int) -> Re
 
 
 def waiting_count(rule: Rule) -> int:
-    """How many executions wait on ``rule``'s scope now (for spreading a rate limit's waits)."""
-    if rule.job_id is not None:
-        return ledger.count_waiting(job_id=rule.job_id)
-    return ledger.count_waiting(task_name=rule.task_name)
+    """How many executions wait on ``rule`` now, refused by it (for spreading the waits); the
+    rows of its scope that wait on another limit do not count."""
+    return ledger.count_waiting(limit_id=rule.id)
 
 
 def wait(execution: Execution, token: int, refusal: Refusal, *, worker: str) -> bool:
@@ -242,6 +318,8 @@ def wait(execution: Execution, token: int, refusal: Refusal, *, worker: str) -> 
         worker=worker,
         reason=refusal.reason,
         data={"limit": refusal.rule.scope, "limit_id": refusal.rule.id, "kind": refusal.kind},
+        limit_id=refusal.rule.id,
+        backing_off=refusal.kind in ("unavailable", "lease"),
     )
 
 
@@ -255,19 +333,20 @@ def release(held: Held | None, *, worker: str) -> None:
     slot_keeper().drop(held)
     for rule, backend, lease in held.leases:
         _release_quietly(backend, lease)
-        try:
-            ledger.wake_waiter(
-                task_name=rule.task_name or None,
-                job_id=rule.job_id,
-                actor=worker,
-                reason=f"a slot of {rule.scope} freed",
-            )
-        except Exception:
-            log.warning(
-                "could not wake a waiting execution; it is published at its due time",
-                exc_info=True,
-                extra={"limit": rule.scope},
-            )
+        _wake(rule, worker=worker, reason=f"a slot of {rule.scope} freed")
+
+
+def _wake(rule: Rule, *, worker: str, reason: str) -> None:
+    """Publish the longest waiter refused by ``rule`` (``ledger.wake_waiter``). Never raises:
+    a wake not sent here is covered by the waiter's due time."""
+    try:
+        ledger.wake_waiter(rule.id, actor=worker, reason=reason)
+    except Exception:
+        log.warning(
+            "could not wake a waiting execution; it is published at its due time",
+            exc_info=True,
+            extra={"limit": rule.scope},
+        )
 
 
 def give_back(held: Held, *, worker: str) -> None:

@@ -472,28 +472,40 @@ class IdempotentTask(Task):
         held: limits.Held | None = None
         applicable = limits.rules_for(execution)
         if applicable:  # a fleet-wide limit: a slot of each, or the execution waits
-            taken = limits.acquire(applicable, execution, lease_seconds=claim.lease_seconds, worker=worker)
+            # Taking the slots may outlast the lease (a lock server slow to answer, many slot
+            # names on Redlock): the rescuer may have re-queued the row and another attempt
+            # claimed it. The body starts only while this attempt still holds a live lease:
+            # ``acquire`` renews it once the running slots are taken, before the start slots.
+            taken = limits.acquire(
+                applicable,
+                execution,
+                lease_seconds=claim.lease_seconds,
+                worker=worker,
+                confirm=lambda: bool(_retry_db(lambda: ledger.renew_lease(execution.pk, token, claim.lease_seconds))),
+            )
             if isinstance(taken, limits.Refusal):
+                if taken.kind == "lease":
+                    log.warning(
+                        "lease ran out while the limits' slots were taken; the body does not start",
+                        extra={"execution_id": execution.pk, "fencing_token": token},
+                    )
+                # If nobody has acted on the row yet, the claim is given back uncounted and the
+                # execution waits; if the rescuer or another attempt has, the wait is refused as
+                # stale.
                 return self._wait_for_limit(request, execution, token, taken, worker)
             held = taken
-            # Taking the slots may have outlasted the lease (a lock server slow to answer, many
-            # slot names on Redlock): the rescuer may have re-queued the row and another attempt
-            # claimed it. The body starts only while this attempt still holds a live lease.
-            if not ledger.renew_lease(execution.pk, token, claim.lease_seconds):
+        try:
+            request.tp_execution = execution
+            request.retries = execution.attempts - 1
+            watch = leases.lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker)
+            request.tp_watch = watch
+        except BaseException:
+            # Between the slots and the body (a soft time limit, a keeper that cannot start its
+            # thread): the slots go back, or the slot keeper would renew them for as long as
+            # this process lives and the limit would be one short for good.
+            if held is not None:
                 limits.give_back(held, worker=worker)
-                log.warning(
-                    "lease ran out while the limits' slots were taken; the body does not start",
-                    extra={"execution_id": execution.pk, "fencing_token": token},
-                )
-                # If nobody has acted on the row yet, the claim is given back uncounted and the
-                # execution is published again at once (no attempt spent on a body that never
-                # ran); if the rescuer or another attempt has, the wait is refused as stale.
-                late = limits.Refusal(applicable[0], "lease", 0.0, "the lease ran out while the slots were taken")
-                self._wait_for_limit(request, execution, token, late, worker)
-        request.tp_execution = execution
-        request.retries = execution.attempts - 1
-        watch = leases.lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker)
-        request.tp_watch = watch
+            raise
         body = getattr(self, "_orig_run", self.run)  # bypass Celery's autoretry wrapper
         started = time.monotonic()
         returned = False  # set once the body returned: later errors are the ledger's, not the body's
