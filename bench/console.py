@@ -176,11 +176,49 @@ def measure(requests: int) -> list[tuple[str, float, float, int]]:
     return results
 
 
+def prune_rate(seconds: float) -> tuple[float, float]:
+    """Pruning at this volume: ``ledger.prune`` batch after batch, as the maintenance holder
+    runs it, for ``seconds`` (the oldest third of the rows are past the cutoff); executions and
+    events deleted a second. Deletes rows: the next run fills the database again."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from taskplatform.core import ledger
+    from taskplatform.models import ExecutionEvent
+
+    cutoff = timezone.now() - timedelta(days=DAYS * 2 // 3)
+    events_before = ExecutionEvent.objects.count()
+    pruned = batches = 0
+    started = time.perf_counter()
+    took: list[float] = []
+    while time.perf_counter() - started < seconds:
+        t = time.perf_counter()
+        n = ledger.prune(cutoff)
+        took.append((time.perf_counter() - t) * 1000)
+        pruned += n
+        batches += 1
+        if n == 0:
+            break
+    elapsed = time.perf_counter() - started
+    events = events_before - ExecutionEvent.objects.count()
+    took.sort()
+    print(
+        f"pruning: {pruned:,} executions and {events:,} events in {elapsed:.1f} s "
+        f"({pruned / elapsed:,.0f} executions/s); {batches} batches, p50 {statistics.median(took):.0f} ms, "
+        f"max {took[-1]:.0f} ms a batch"
+    )
+    return pruned / elapsed, events / elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--executions", type=int, default=1_000_000)
     parser.add_argument("--events-per", type=int, default=5)
     parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument(
+        "--prune-seconds", type=float, default=0, help="then measure pruning for this long (deletes rows)"
+    )
     options = parser.parse_args()
     import django
 
@@ -194,6 +232,8 @@ def main() -> None:
     over = [label for label, _p50, p95, _s in results if p95 >= 300]
     summary = f"{len(results) - len(over)} of {len(results)} pages under 300 ms at p95"
     print(f"\n{summary}; over: {over}" if over else f"\n{summary}")
+    if options.prune_seconds:
+        prune_rate(options.prune_seconds)
 
 
 if __name__ == "__main__":

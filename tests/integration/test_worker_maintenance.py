@@ -290,3 +290,45 @@ def test_a_pass_stopped_by_a_lost_lease_takes_no_snapshot_and_stop_ends_a_long_p
     assert snapshots == [], "a pass that stopped early went on to the snapshot"
     assert holder() is None, "the stopped thread released the lease"
     assert CountsSnapshot.objects.count() == 0
+
+
+@override_settings(TASKPLATFORM_RESCUE_INTERVAL_SECONDS=1, TASKPLATFORM_PRUNE_INTERVAL_SECONDS=3600)
+def test_a_pruning_backlog_is_worked_off_in_passes_one_after_another_not_one_an_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At a million executions, one pass of a minute an hour pruned about 250,000 rows an
+    hour, far behind a sustained load. A pass that leaves a backlog is followed by another at
+    the thread's next look. Here a pass prunes one batch of 10, the interval is an hour, and
+    35 expired rows all go (with their events) in a few seconds; the rescuer runs between
+    the passes."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from taskplatform.conf import platform_settings
+    from taskplatform.scheduling import maintenance
+    from taskplatform.scheduling.maintenance import Maintenance
+
+    monkeypatch.setattr(maintenance, "PRUNE_BATCH", 10)
+    monkeypatch.setattr(maintenance, "PRUNE_PASS_SECONDS", 0.0)  # one batch a pass
+    monkeypatch.setattr(maintenance, "FIRST_PRUNE_SECONDS", 0.0)
+    finished = timezone.now() - timedelta(days=40)
+    old = [
+        Execution.objects.create(idempotency_key=f"old:{i}", task_name="testapp.effect", state="SUCCEEDED",
+                                 finished_at=finished)
+        for i in range(35)
+    ]  # fmt: skip
+    ExecutionEvent.objects.bulk_create(ExecutionEvent(execution=e, kind="succeeded", at=finished) for e in old)
+    expired = _expired_rows(1)[0]
+    thread = Maintenance(platform_settings(), is_leading=lambda: True)
+    thread.start()
+    try:
+        wait_for(
+            lambda: not Execution.objects.filter(idempotency_key__startswith="old:").exists(),
+            timeout=20, what="the whole backlog pruned, an interval of an hour notwithstanding",
+        )  # fmt: skip
+        wait_for(lambda: state_of(expired.pk) == "FAILED", timeout=10, what="the rescuer's pass between the prunes")
+    finally:
+        thread.stop()
+    assert not ExecutionEvent.objects.filter(execution_id__in=[e.pk for e in old]).exists()
+    get_lock_backend().force_release(MAINTENANCE_LOCK)
