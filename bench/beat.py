@@ -278,23 +278,57 @@ def leader_of(kind: str, beats: list[tuple[subprocess.Popen[bytes], Path]]) -> s
     return next((p for p, log in beats if log.exists() and "Acquired lock" in log.read_text(errors="replace")), None)
 
 
-def run_failover(kind: str, label: str, env: dict[str, str], wait_s: float) -> dict[str, Any]:
+def warm(log: Path) -> bool:
+    """Whether a LockedScheduler follower logged its schedule table built."""
+    return log.exists() and "has the schedule table built" in log.read_text(errors="replace")
+
+
+def lost_minute_slots(n: int, start: datetime, end: datetime) -> tuple[int, int]:
+    """Of the every-minute entries of ``populate(..., every=60, mix=True)`` (``j{i}``, i a
+    multiple of 10, anchored at ``60 * i / n`` s past the minute): the slots due in
+    ``[start, end)``, and how many of them have no execution in the ledger."""
+    from taskplatform.models import Execution
+
+    expected = set()
+    minute = start.replace(second=0, microsecond=0) - timedelta(minutes=1)
+    while minute < end:
+        for i in range(0, n, 10):
+            slot = minute + timedelta(seconds=60 * i / n)
+            if start <= slot < end:
+                expected.add((f"j{i}", slot))
+        minute += timedelta(minutes=1)
+    rows = Execution.objects.filter(scheduled_for__gte=start, scheduled_for__lt=end, job__isnull=False)
+    found = {(slug, slot) for slug, slot in rows.values_list("job__slug", "scheduled_for")}
+    return len(expected), len(expected - found)
+
+
+def run_failover(kind: str, label: str, env: dict[str, str], wait_s: float, jobs: int = 1) -> dict[str, Any]:
+    """SIGKILL of the leader: the time to the survivor's first publication. ``jobs`` > 1 (locked
+    only): the mixed schedule of that many jobs, the follower's table built before the kill,
+    and the every-minute jobs' slots from the kill to 30 s after the first publication checked
+    against the ledger (none lost)."""
     reset()
-    populate(kind, 1, every=1)
+    if jobs > 1:
+        populate(kind, jobs, every=60, mix=True)
+    else:
+        populate(kind, 1, every=1)
     with tempfile.TemporaryDirectory() as tmp:
         beats = [start_beat(kind, Path(tmp), f"b{i}", env) for i in range(2)]
         try:
-            if not wait(lambda: published() >= 3, 60):
-                return {"scheduler": label, "error": "no publications within 60 s"}
+            if not wait(lambda: published() >= 3, 120):
+                return {"scheduler": label, "error": "no publications within 120 s"}
             leader = wait(lambda: leader_of(kind, beats), 10)
             if leader is None:
                 return {"scheduler": label, "error": "leader not identified"}
+            if jobs > 1 and not wait(lambda: any(warm(log) for p, log in beats if p is not leader), 120):
+                return {"scheduler": label, "error": "the follower's table was not built within 120 s"}
             os.kill(leader.pid, signal.SIGKILL)
             killed = time.perf_counter()
+            killed_at = datetime.now(UTC)
             before = published()
             resumed = wait(lambda: published() > before and time.perf_counter(), wait_s)
             failover = round(resumed - killed, 2) if resumed else None
-            end = killed + (failover or 0) + 10
+            end = killed + (failover or 0) + (30 if jobs > 1 else 10)
             time.sleep(max(0.0, end - time.perf_counter()))
             window = time.perf_counter() - killed
             count = published() - before
@@ -306,6 +340,16 @@ def run_failover(kind: str, label: str, env: dict[str, str], wait_s: float) -> d
                         proc.wait(timeout=15)
                     except subprocess.TimeoutExpired:
                         os.killpg(proc.pid, signal.SIGKILL)
+    if jobs > 1:
+        # The ledger's rows up to 5 s before the check: later slots may still be on their way.
+        due, lost = lost_minute_slots(jobs, killed_at, killed_at + timedelta(seconds=window - 5))
+        return {
+            "scheduler": label,
+            "jobs": jobs,
+            "failover_s": failover if failover is not None else f"> {wait_s:g} (none)",
+            "every_minute_slots_due": due,
+            "lost": lost,
+        }
     return {
         "scheduler": label,
         "failover_s": failover if failover is not None else f"> {wait_s:g} (none)",
@@ -339,6 +383,10 @@ def main() -> None:
     parser.add_argument("--schedulers", default="dcb,redbeat,locked")
     parser.add_argument("--failover-wait", type=float, default=60)
     parser.add_argument("--skip-failover", action="store_true")
+    parser.add_argument(
+        "--failover-jobs", type=int, default=0,
+        help="also the failover of locked with this many jobs of the mixed schedule (their slots checked)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     parser.add_argument("--mix", action="store_true", help="the mixed schedule (schedule_of), locked only")
     parser.add_argument(
@@ -378,6 +426,10 @@ def main() -> None:
                 result = run_failover(kind, label, env, args.failover_wait)
                 failovers.append(result)
                 print(json.dumps(result), flush=True)
+        if args.failover_jobs and "locked" in kinds:
+            result = run_failover("locked", "locked (defaults)", {}, args.failover_wait, jobs=args.failover_jobs)
+            failovers.append(result)
+            print(json.dumps(result), flush=True)
         if "dcb" in kinds:
             failovers.append(run_duplicates_without_lock())
             print(json.dumps(failovers[-1]), flush=True)

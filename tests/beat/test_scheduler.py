@@ -579,3 +579,77 @@ def test_a_follower_lists_the_schedule_too(schedulers: Callable[[], LockedSchedu
     assert follower.table is None
     assert set(follower.schedule) == set(leader.schedule) == {"job:listed", "plain-entry"}
     assert not ScheduleCursor.objects.filter(fencing_token=follower.leadership.token or -1).exists()
+
+
+def warmed(scheduler: LockedScheduler) -> ScheduleTable:
+    """The follower's warm table once its warm-up has finished a load (polled, bounded)."""
+    return wait_for(
+        lambda: scheduler._warm if scheduler._warm is not None and scheduler._warm.loaded_at else None,
+        timeout=20, what="the follower's schedule table built",
+    )  # fmt: skip
+
+
+def published_slots(slug: str) -> list[Any]:
+    """The slots published for ``slug``, in order, and whether they are one second apart each."""
+    return sorted(
+        Execution.objects.filter(idempotency_key__startswith=f"{slug}@").values_list("scheduled_for", flat=True)
+    )
+
+
+def assert_no_gap(slots: list[Any]) -> None:
+    gaps = [b - a for a, b in itertools.pairwise(slots)]
+    assert gaps and all(gap == timedelta(seconds=1) for gap in gaps), f"slots not one a second: {slots}"
+
+
+def test_a_follower_keeps_the_schedule_built_and_takes_over_warm_from_the_last_leaders_cursors(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    """Issue 13 (failover at 100,000 jobs): a follower builds the schedule table as it goes,
+    so a takeover does not start cold (a first load of 100,000 entries takes seconds). It
+    starts from the cursors the dead leader wrote, not from what it saw when it built its
+    entries: the slots due while nobody led are published, none of the dead leader's again."""
+    every_second_job("warm")
+    a, b = schedulers(), schedulers()
+    run_beat(a, b, seconds=1.5)
+    leader, follower = (a, b) if a.table is not None else (b, a)
+    warm = warmed(follower)
+    entry = warm.entries["job:warm"]
+    assert warm.heap == [] and warm.cursors == {}, "a follower queues nothing and keeps no cursor"
+    run_beat(leader, follower, seconds=2.0)  # the leader moves its cursor on after the warm-up
+    # The leader dies: it ticks no more, and its lease goes (as expiry would).
+    get_lock_backend().force_release(leader.conf.beat_lock_name)
+    died = timezone.now()
+    time.sleep(2.0)  # nobody leads for two seconds (the scenario, not a synchronisation)
+    run_beat(follower, seconds=1.5)
+    assert follower.table is warm and follower.table.entries["job:warm"] is entry, "taken over warm"
+    slots = published_slots("warm")
+    assert_no_gap(slots)  # the two leaderless seconds included: none lost
+    assert slots[-1] > died + timedelta(seconds=2)
+    assert not Execution.objects.filter(idempotency_key__startswith="warm@").exclude(scheduled_for__in=slots).exists()
+
+
+def test_a_warm_takeover_after_an_edit_reads_the_rows_and_keeps_every_entry(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    """An edit after the follower's last warm-up: the takeover reads the rows again (its warm
+    entries are not current), rebuilds the edited entry and still queues the unchanged ones
+    from their cursors."""
+    every_second_job("kept")
+    edited = every_second_job("edited")
+    a, b = schedulers(), schedulers()
+    run_beat(a, b, seconds=1.5)
+    leader, follower = (a, b) if a.table is not None else (b, a)
+    warm = warmed(follower)
+    kept = warm.entries["job:kept"]
+    run_beat(leader, seconds=1.0)  # no follower tick from here: its warm-up does not see the edit
+    schedule_job(JobDefinition.objects.get(pk=edited.pk), every_seconds=2)
+    get_lock_backend().force_release(leader.conf.beat_lock_name)
+    took_over = timezone.now()
+    run_beat(follower, seconds=5.0)
+    assert follower.table is warm and follower.table.entries["job:kept"] is kept
+    assert_no_gap(published_slots("kept"))
+    assert published_slots("kept")[-1] > took_over + timedelta(seconds=2)
+    after = [s for s in published_slots("edited") if s > took_over]
+    assert len(after) >= 2 and all(b - a == timedelta(seconds=2) for a, b in itertools.pairwise(after)), (
+        f"the edit applies: {after}"
+    )

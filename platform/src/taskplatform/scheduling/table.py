@@ -193,6 +193,12 @@ class ScheduleTable:
         #: ``STAMP_MARGIN`` before it, and the latest.
         self._recent: dict[str, tuple[int, datetime | None]] = {}
         self._full_at: datetime | None = None
+        #: What the last full load read that a takeover needs without reading the rows again:
+        #: each row's change stamp and ``last_run_at`` (where an entry without a cursor starts),
+        #: and every name it saw (a cursor of a name not among them goes).
+        self._changed_at: dict[str, datetime | None] = {}
+        self._last_run: dict[str, datetime | None] = {}
+        self._seen: set[str] = set()
 
     def unchanged(self, now: datetime) -> bool:
         """True when nothing in the schedule tables changed since the last full load, so a
@@ -259,12 +265,25 @@ class ScheduleTable:
             heapq.heappush(self.heap, (upcoming, entry.name, entry.generation))
 
     def load(
-        self, now: datetime, *, first: bool, keep_alive: Callable[[], None] | None = None
+        self,
+        now: datetime,
+        *,
+        first: bool,
+        keep_alive: Callable[[], None] | None = None,
+        entries_only: bool = False,
     ) -> tuple[list[tuple[str, datetime]], list[str]]:
         """Re-read the schedule tables; returns cursors to (re)set ``(name, slot)`` and to delete.
 
-        ``first``: this process just became leader, so cursors are read from the database
-        and nothing is known about earlier digests.
+        ``first``: this process just became leader, so cursors are read from the database.
+        The entries may have been built already, by this process as a follower
+        (``entries_only``): an entry whose row has not changed is kept, its cursor read and
+        its next slot queued; if nothing changed since the follower's last full load, the rows
+        are not even read again (``_resume``). What a takeover starts from is the same as a
+        cold load's: the cursors the last leader wrote.
+
+        ``entries_only``: a follower's warm-up: the entries are built or updated, nothing else
+        (no cursor, no queue of next slots, nothing returned), so that a takeover does not
+        start cold (a first load of 100,000 entries takes seconds).
 
         ``keep_alive`` is called every ``KEEP_ALIVE_EVERY`` rows (building an entry costs
         tens of microseconds, so a large schedule takes seconds): the leader renews its lease
@@ -274,7 +293,12 @@ class ScheduleTable:
         slots from that previous load on (it changed after it): an edit is not a misfire of
         the new schedule, and a slot due between the edit and this load is not lost.
         """
-        if not first and self.unchanged(now):
+        if first:
+            self.heap = []  # a leader's queue is its own: a former term's is stale
+            self.cursors = {}
+            if self.entries and self.unchanged(now):
+                return self._resume(now, keep_alive)
+        elif self.unchanged(now):
             self.loaded_at = now  # nothing changed up to now: an edit after it is owed from here
             return [], []
         marks = self._read_marks()  # before the rows: a change between the two is seen next time
@@ -321,7 +345,11 @@ class ScheduleTable:
             digest = _digest(row, job)
             known = self.entries.get(name)
             if known is not None and known.digest == digest:
-                continue
+                if first and name in self.cursors:  # built as a follower: its cursor decides
+                    self._push(known)
+                    continue
+                if not first:
+                    continue
             try:
                 entry = build_entry(row, job, self.conf, self.app)
             except (ConfigurationError, ValueError, KeyError) as exc:
@@ -334,6 +362,10 @@ class ScheduleTable:
             self._generation += 1
             entry.generation = self._generation
             self.entries[name] = entry
+            if entries_only:
+                continue
+            if first:  # a takeover: whatever this process saw as a follower, as in a cold load
+                known, repaired = None, False
             if name not in self.cursors or repaired or (known is not None and not first):
                 if not first:
                     start = max(self.cursors.get(name, since), since)
@@ -346,10 +378,40 @@ class ScheduleTable:
             self._push(entry)
         gone = [name for name in self.cursors if name not in seen]
         for name in gone:
-            self.entries.pop(name, None)
             self.cursors.pop(name, None)
+        for name in [name for name in self.entries if name not in seen]:
+            self.entries.pop(name, None)
+        for name in [name for name in self.broken if name not in seen]:
             self.broken.pop(name, None)
         self._marks, self._recent, self._full_at = marks, recent, now
+        self._changed_at, self._last_run, self._seen = changed_at, last_run, seen
+        self.loaded_at = now
+        return resets, gone
+
+    def _resume(
+        self, now: datetime, keep_alive: Callable[[], None] | None
+    ) -> tuple[list[tuple[str, datetime]], list[str]]:
+        """A takeover by a follower whose entries are current (nothing changed since its last
+        full load): the cursors are read, and each entry queued from its own, as a cold load
+        would; an entry without one starts where a cold load would start it (``_unseen_since``,
+        from what the full load read of its row, unchanged since)."""
+        self.cursors = dict(ScheduleCursor.objects.values_list("name", "last_slot"))
+        resets: list[tuple[str, datetime]] = []
+        try:
+            for index, (name, entry) in enumerate(self.entries.items()):
+                if keep_alive is not None and index % KEEP_ALIVE_EVERY == 0:
+                    keep_alive()
+                if name not in self.cursors:
+                    start = self._unseen_since(self._changed_at.get(name), now, self._last_run.get(name))
+                    self.cursors[name] = start
+                    resets.append((name, start))
+                self._push(entry)
+        except BaseException:
+            self._marks = None  # half queued: the next load reads every row (not a baseline)
+            raise
+        gone = [name for name in self.cursors if name not in self._seen]
+        for name in gone:
+            self.cursors.pop(name, None)
         self.loaded_at = now
         return resets, gone
 
