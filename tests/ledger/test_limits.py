@@ -7,6 +7,7 @@ Marked ``portable``: the same on PostgreSQL, SQLite and MariaDB. The real-worker
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -71,7 +72,9 @@ def test_a_wait_gives_the_claim_back_uncounted_and_publishes_a_countdown_message
 
 def test_a_wait_from_a_stale_attempt_changes_nothing():
     c = claim(new("w2"))
-    assert not ledger.wait_for_limit(c.execution, c.token - 1, delay_seconds=1, worker="x", reason="", data={})
+    assert not ledger.wait_for_limit(
+        c.execution, c.token - 1, delay_seconds=1, worker="x", reason="", data={}, limit_id=LIMIT_ID
+    )
     assert Execution.objects.get(pk=c.execution.pk).state == State.RUNNING
 
 
@@ -670,3 +673,213 @@ def test_a_start_slot_is_taken_last_so_a_slow_step_before_it_does_not_shorten_th
         starts.append(now[0])  # the body starts now
         limits.release(got, worker="n")
     assert starts[1] - starts[0] >= 1.0, f"two starts {starts[1] - starts[0]:.2f} s apart under 1 a second"
+
+
+# -- Review of issue 15, round 5 ---------------------------------------------------------------
+
+
+def test_a_running_slot_is_first_renewed_a_third_of_its_ttl_after_its_grant_not_after_the_other_slots(
+    locmem, monkeypatch
+):
+    """A task limit of 1 and a job limit whose lock server answers after 45 s of a 60 s TTL:
+    the keeper's first renewal of the task slot was counted from ``hold()`` (20 s later), after
+    the slot had lapsed, and a second body of a limit of 1 started."""
+    from taskplatform.backends import locmem as locmem_module
+    from taskplatform.backends.locmem import LocMemLockBackend
+
+    clock = [1000.0]  # the lock backend's and the keeper's monotonic clock, moved by the test
+    monkeypatch.setattr(locmem_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(limits.time, "monotonic", lambda: clock[0])
+    job, _ = define_job("two-limits", task="testapp.limited")
+    Limit.objects.create(task_name="testapp.limited", concurrency=1)
+    job_limit = Limit.objects.create(job=job, concurrency=5)
+    limits.rules.reset()
+    real = LocMemLockBackend.acquire_any
+
+    def slow_job_slot(self, names, ttl, identity=None):
+        lease = real(self, names, ttl, identity)
+        if names and names[0].startswith(f"limit:{job_limit.pk}:running"):
+            clock[0] += 45.0  # the job limit's lock server answered after 45 s
+        return lease
+
+    monkeypatch.setattr(LocMemLockBackend, "acquire_any", slow_job_slot)
+    first = claim(new("first", job=job))
+    held = limits.acquire(limits.rules_for(first.execution), first.execution, lease_seconds=60, worker="n",
+                          confirm=lambda: True)  # fmt: skip
+    assert isinstance(held, limits.Held)
+    try:
+        granted = min(lease.granted_at for _r, _b, lease in held.leases)
+        due = limits.slot_keeper()._held[held]
+        assert due <= granted + 20.0 + 1e-6, f"first renewal {due - granted:.0f} s after the grant of a 60 s slot"
+    finally:
+        limits.release(held, worker="n")
+
+
+def test_a_slot_keeper_that_cannot_start_its_thread_gives_the_slots_back(locmem, monkeypatch):
+    """``hold()`` ran outside ``acquire``'s give-back: a keeper thread that could not start left
+    the slot registered, and the next ``hold()`` in the process renewed it for good (a limit
+    of 1 never ran again). Now the error propagates with the slots given back."""
+    import threading
+
+    monkeypatch.setattr(limits, "_keeper", None)  # a fresh keeper, no thread yet
+    Limit.objects.create(task_name="testapp.limited", concurrency=1)
+    limits.rules.reset()
+    real_start = threading.Thread.start
+
+    def cannot_start(self):
+        if self.name == "taskplatform-limit-slots":
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    first = claim(new("cannot-keep"))
+    with pytest.raises(RuntimeError):
+        limits.acquire(limits.rules_for(first.execution), first.execution, lease_seconds=30, worker="n")
+    assert not limits.slot_keeper()._held, "nothing left for the keeper to renew"
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    probe = claim(new("probe"))
+    got = limits.acquire(limits.rules_for(probe.execution), probe.execution, lease_seconds=30, worker="n")
+    assert isinstance(got, limits.Held), "the slot of the attempt that never started is free"
+    limits.release(got, worker="n")
+
+
+def test_the_lease_keeper_counts_a_limited_attempts_lease_from_the_renewal_before_its_start_slots(locmem, monkeypatch):
+    """The lease is renewed before the start slots, which may take up to half of it: the watch
+    counted from its own creation, so ``lease_lost`` came up to half a lease late."""
+    from taskplatform.backends.locmem import LocMemLockBackend
+    from taskplatform.core import leases
+    from tests.testapp.tasks import limited
+
+    Limit.objects.create(task_name="testapp.limited", rate=100, per_seconds=1)
+    limits.rules.reset()
+    execution = new("late-watch")
+    real_acquire = LocMemLockBackend.acquire_any
+    real_renew = ledger.renew_lease
+    renewals: list[float] = []
+
+    def slow_start_slot(self, names, ttl, identity=None):
+        if names and ":started:" in names[0]:
+            time.sleep(1.5)  # the fault: a slow lock server (under half the tests' 6 s lease)
+        return real_acquire(self, names, ttl, identity)
+
+    def renew(execution_id, token, lease_seconds):
+        renewals.append(time.monotonic())
+        return real_renew(execution_id, token, lease_seconds)
+
+    captured: list[leases.Watch] = []
+    real_watch = leases.LeaseKeeper.watch
+
+    def capture(self, *args, **kwargs):
+        w = real_watch(self, *args, **kwargs)
+        captured.append(w)
+        return w
+
+    monkeypatch.setattr(LocMemLockBackend, "acquire_any", slow_start_slot)
+    monkeypatch.setattr(ledger, "renew_lease", renew)
+    monkeypatch.setattr(leases.LeaseKeeper, "watch", capture)
+    limited.apply(task_id="m-0", headers={"tp_execution": execution.pk})
+    assert renewals and captured
+    assert captured[0].renewed_at <= renewals[0], "the watch counts from before the renewal's request"
+    assert Execution.objects.get(pk=execution.pk).state == State.SUCCEEDED
+
+
+def test_the_back_off_count_starts_again_once_a_body_has_started(settings):
+    """'Doubling with each such wait in a row': a start ends the row. The count was reset only
+    by a wait for a full limit, so a later outage began at the ceiling, not at 5 s."""
+    settings.TASKPLATFORM_LOCK_BACKENDS = {
+        "default": {"BACKEND": "taskplatform.backends.locmem.LocMemLockBackend"},
+        "down": {"BACKEND": "taskplatform.backends.redis.RedisLockBackend",
+                 "OPTIONS": {"url": "redis://127.0.0.1:1/0", "socket_timeout": 0.2}},
+    }  # fmt: skip
+    limit = Limit.objects.create(task_name="testapp.limited", concurrency=5, backend="down")
+    limits.rules.reset()
+    row = new("backoff-again")
+    for _ in range(4):  # an outage: four waits in a row
+        c = ledger.claim(row, worker="n", celery_task_id=row.celery_task_id, lease_seconds=300, max_attempts=3)
+        refusal = limits.acquire(limits.rules_for(c.execution), c.execution, lease_seconds=300, worker="n")
+        assert isinstance(refusal, limits.Refusal) and limits.wait(c.execution, c.token, refusal, worker="n")
+        row = Execution.objects.get(pk=row.pk)
+    assert row.limit_backoffs == 4
+    Limit.objects.filter(pk=limit.pk).update(backend="default")  # the backend is back: the body starts
+    limits.rules.reset()
+    from tests.testapp.tasks import limited
+
+    limited.apply(task_id=row.celery_task_id, headers={"tp_execution": row.pk})
+    row = Execution.objects.get(pk=row.pk)
+    assert row.state == State.SUCCEEDED and row.limit_backoffs == 0
+
+
+def test_a_clean_failure_is_not_a_lost_lease_when_the_next_attempt_claimed_first():
+    """The keeper's renewal, refused because the attempt had just recorded its own retry, was
+    noted as a lost lease if the retry's next attempt had claimed the row meanwhile: a clean
+    failure then made a flow's step 'in doubt' (compensated though it did nothing)."""
+    row = new("clean-failure", task="testapp.effect")
+    first = claim(row)
+    retried = ledger.schedule_retry(
+        first.execution, first.token, delay_seconds=0, error="x", traceback="", worker="node:1"
+    )
+    assert retried
+    row = Execution.objects.get(pk=row.pk)
+    second = claim(row, row.celery_task_id)
+    assert second.outcome == "claimed"
+    ledger.record_lease_lost(row.pk, first.token, "node:1")
+    assert "lease_lost" not in kinds(row)
+    # The second attempt's renewal refused while it runs: a lease lost, noted.
+    ledger.record_lease_lost(row.pk, second.token, "node:1")
+    assert kinds(row).count("lease_lost") == 1
+
+
+@pytest.mark.parametrize("change", ["delete", "raise", "remove concurrency"])
+def test_waiters_of_a_limit_deleted_or_loosened_are_published_once_the_workers_have_read_it(locmem, change):
+    """Deleting a limit (or raising it) is how an operator lets a backlog through; its waiters
+    waited for their backstops (15 s x waiters / limit: with 200 and a limit of 1, up to 50
+    minutes). Now they are due within the workers' refresh of the limits."""
+    from taskplatform.conf import platform_settings
+
+    limit = Limit.objects.create(task_name="testapp.limited", concurrency=1, rate=100, per_seconds=1)
+    limits.rules.reset()
+    holder = claim(new("holder"))
+    held = limits.acquire(limits.rules_for(holder.execution), holder.execution, lease_seconds=60, worker="n")
+    assert isinstance(held, limits.Held)
+    for i in range(50):
+        c = claim(new(f"w{i}"))
+        refusal = limits.acquire(limits.rules_for(c.execution), c.execution, lease_seconds=60, worker="n")
+        assert isinstance(refusal, limits.Refusal) and limits.wait(c.execution, c.token, refusal, worker="n")
+    if change == "delete":
+        limits.delete_limit(limit, user="ops", reason="let the backlog through")
+    else:
+        limit.concurrency = 10 if change == "raise" else None
+        limits.save_limit(limit, user="ops", reason="let the backlog through")
+    latest = max(Execution.objects.filter(state="WAITING").values_list("due_at", flat=True))
+    within = platform_settings().limits_refresh_seconds + 1
+    assert latest - timezone.now() <= timedelta(seconds=within + 2), f"{latest - timezone.now()} away"
+    limits.release(held, worker="n")
+
+
+def test_lowering_a_limit_leaves_its_waiters_where_they_are(locmem):
+    limit = Limit.objects.create(task_name="testapp.limited", concurrency=2)
+    limits.rules.reset()
+    rows = [claim(new(f"low-{i}")) for i in range(3)]
+    helds = [limits.acquire(limits.rules_for(c.execution), c.execution, lease_seconds=60, worker="n") for c in rows]
+    refusal = helds[-1]
+    assert isinstance(refusal, limits.Refusal)
+    assert limits.wait(rows[-1].execution, rows[-1].token, refusal, worker="n")
+    before = Execution.objects.get(pk=rows[-1].execution.pk).due_at
+    limit.concurrency = 1
+    limits.save_limit(limit, user="ops", reason="the downstream is struggling")
+    assert Execution.objects.get(pk=rows[-1].execution.pk).due_at == before
+    for held in helds[:2]:
+        limits.release(held, worker="n")
+
+
+def test_a_waiting_row_that_names_no_limit_is_made_due_by_the_rescuer():
+    """Parked by a release before migration 0011 (or by one of its workers during a rolling
+    deploy): no freed slot names it, and its backstop may be hours away."""
+    c = claim(new("unnamed"))
+    row = wait(c, delay=3600)
+    Execution.objects.filter(pk=row.pk).update(waiting_on_limit=None)
+    named = wait(claim(new("named")), delay=3600)
+    run_rescuer()
+    assert "republished" in kinds(row), "published by the rescuer's pass"
+    assert "republished" not in kinds(named)
+    assert Execution.objects.get(pk=named.pk).due_at > timezone.now() + timedelta(minutes=30)

@@ -257,8 +257,9 @@ class Execution(models.Model):
     waiting_on_limit = models.BigIntegerField(
         null=True, blank=True, help_text="WAITING: the fleet-wide limit that refused it (a slot of it freed wakes it)."
     )
-    # ``db_default`` too: a process of the previous release, mid-deploy, inserts without it.
-    limit_backoffs = models.PositiveIntegerField(
+    # ``db_default`` too: a process of the previous release, mid-deploy, inserts without it. Not
+    # a PositiveIntegerField: its CHECK made adding the column scan the ledger under a lock.
+    limit_backoffs = models.IntegerField(
         default=0,
         db_default=0,
         help_text="Waits in a row whose limit slots could not be counted (lock backend down): the next backs off.",

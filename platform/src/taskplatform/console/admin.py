@@ -625,8 +625,9 @@ class LimitAdmin(admin.ModelAdmin):
 
     @admin.display(description="waiting now")
     def waiting(self, obj: Limit) -> int:
-        rows = Execution.objects.filter(state=State.WAITING)
-        return (rows.filter(job_id=obj.job_id) if obj.job_id else rows.filter(task_name=obj.task_name)).count()
+        """The executions this limit refused that wait for a slot of it (not those of its
+        scope that wait on another limit)."""
+        return Execution.objects.filter(state=State.WAITING, waiting_on_limit=obj.pk).count()
 
     def save_model(self, request: HttpRequest, obj: Limit, form: Any, change: bool) -> None:
         fleet_limits.save_limit(obj, user=user_label(request))

@@ -94,10 +94,17 @@ class LeaseKeeper:
         self._pid = 0
         self._wake_at = float("inf")  # when the thread wakes next on its own
 
-    def watch(self, execution_id: int, token: int, lease_seconds: int, worker: str) -> Watch:
-        """Start renewing the lease of the attempt ``(execution_id, token)``."""
+    def watch(
+        self, execution_id: int, token: int, lease_seconds: int, worker: str, *, renewed_at: float | None = None
+    ) -> Watch:
+        """Start renewing the lease of the attempt ``(execution_id, token)``, last extended at
+        ``renewed_at`` (monotonic, taken before the request that extended it; default: now,
+        for a claim just made). The loss of the lease is counted from it, and the first
+        renewal is due a third of the lease after it."""
         w = Watch(execution_id, token, lease_seconds, worker)
-        w.next_renewal = time.monotonic() + w.interval()
+        if renewed_at is not None:
+            w.renewed_at = min(renewed_at, w.renewed_at)
+        w.next_renewal = w.renewed_at + w.interval()
         if self._pid != os.getpid():
             # A forked pool child inherits this object (and possibly a held lock) but not
             # the thread: start afresh.

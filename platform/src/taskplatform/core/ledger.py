@@ -25,7 +25,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
 from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Q, Value
 from django.utils import timezone
 
@@ -585,6 +585,15 @@ def _note(execution_id: int, kind: str, *, worker: str, data: dict[str, Any]) ->
         _event(execution, kind, from_state=execution.state, to_state=execution.state, actor=worker, data=data)
 
 
+#: The events an attempt writes of its own outcome (``record_lease_lost``).
+_OWN_OUTCOMES = (
+    EventKind.SUCCEEDED,
+    EventKind.RETRY_SCHEDULED,
+    EventKind.DEAD_LETTERED,
+    EventKind.WAITING_FOR_LIMIT,
+)
+
+
 def record_lease_lost(execution_id: int, token: int, worker: str) -> None:
     """Note in the history that an attempt's lease renewal was refused.
 
@@ -597,6 +606,16 @@ def record_lease_lost(execution_id: int, token: int, worker: str) -> None:
         Execution.objects.filter(pk=execution_id, fencing_token=token, lease_expires_at__isnull=True)
         .exclude(state=State.RUNNING)
         .exists()
+    ) or (
+        # Its own outcome, though another attempt has claimed the row since (a short retry's
+        # next attempt on another worker, before this keeper's refused renewal was noted).
+        ExecutionEvent.objects.filter(
+            execution_id=execution_id,
+            fencing_token=token,
+            actor=worker[:255],
+            from_state=State.RUNNING,
+            kind__in=_OWN_OUTCOMES,
+        ).exists()
     )
     if not ended_by_itself:
         _note(execution_id, EventKind.LEASE_LOST, worker=worker, data={"attempt_token": token})
@@ -760,7 +779,7 @@ def wait_for_limit(
     worker: str,
     reason: str,
     data: dict[str, Any],
-    limit_id: int | None = None,
+    limit_id: int,
     backing_off: bool = False,
 ) -> bool:
     """Give back the claim of the attempt holding ``token``: a fleet-wide limit is full.
@@ -879,6 +898,43 @@ def _waiters(limit_id: int, woken_before: datetime) -> list[Execution]:
         rows = cursor.fetchall()
     return [Execution(pk=pk, fencing_token=token, publish_count=count, celery_task_id=task_id, state=State.WAITING)
             for pk, token, count, task_id in rows]  # fmt: skip
+
+
+def recall_waiters(limit_id: int, *, within_seconds: float) -> int:
+    """Make the executions refused by limit ``limit_id`` due within ``within_seconds`` (by the
+    database's clock), those due later only: the limit was raised or removed. Returns how many."""
+    due = _db_now(timedelta(seconds=within_seconds))
+    rows = Execution.objects.filter(state=State.WAITING, waiting_on_limit=limit_id, due_at__gt=due)
+    return rows.update(due_at=due, updated_at=timezone.now())
+
+
+def recall_unnamed_waiters(*, batch: int = 1000) -> int:
+    """Make due now the ``WAITING`` executions that name no limit: parked by a release before
+    migration 0011 (or by a worker of it during a rolling deploy), a freed slot never wakes
+    them, and their backstops can be hours away. Run by the rescuer; nearly always none."""
+    ids = list(
+        Execution.objects.filter(state=State.WAITING, waiting_on_limit__isnull=True, due_at__gt=_db_now()).values_list(
+            "pk", flat=True
+        )[:batch]
+    )
+    if not ids:
+        return 0
+    return Execution.objects.filter(pk__in=ids, state=State.WAITING, waiting_on_limit__isnull=True).update(
+        due_at=_db_now(), updated_at=timezone.now()
+    )
+
+
+def forget_limit_backoffs(execution: Execution, token: int) -> None:
+    """The attempt holding ``token`` starts its body: its waits for an unreachable lock backend
+    are no longer "in a row", and a later outage's first wait is the short one again."""
+    if not execution.limit_backoffs:
+        return
+    try:
+        Execution.objects.filter(pk=execution.pk, fencing_token=token).update(limit_backoffs=0)
+    except DatabaseError:  # a longer first wait next time at worst: the body starts anyway
+        log.warning("could not reset an execution's limit back-off count", exc_info=True)
+        return
+    execution.limit_backoffs = 0
 
 
 def count_waiting(

@@ -121,6 +121,7 @@ def run_rescuer(now: datetime | None = None, *, keep_going: Callable[[], bool] =
             if execution.flow_id is not None:
                 flows.advance_quietly(execution.flow_id)  # a flow's step or compensation: its next move now
 
+    ledger.recall_unnamed_waiters(batch=batch)  # parked by an earlier release: due now, published below
     due = (
         Execution.objects.select_related("job")
         .filter(state__in=(State.PENDING, State.RETRYING, State.WAITING), due_at__lte=UtcNow())

@@ -181,12 +181,12 @@ def acquire(
     held = Held()
     try:
         refusal = _take(applicable, execution, held, lease_seconds, f"execution:{execution.pk}@{worker}", confirm)
+        if refusal is None and held.leases:
+            slot_keeper().hold(held)  # inside: a keeper thread that cannot start gives the slots back
     except BaseException:
         _give_back_taken(held, None, worker=worker)
         raise
     if refusal is None:
-        if held.leases:
-            slot_keeper().hold(held)
         return held
     # Nothing starts: what was taken goes back (a start slot too, for no start happened).
     _give_back_taken(held, None if refusal.kind == "lease" else refusal.rule, worker=worker)
@@ -376,12 +376,23 @@ class SlotKeeper:
         self._thread: threading.Thread | None = None
 
     def hold(self, held: Held) -> None:
+        """Keep ``held``'s running slots. The first renewal is due a third of the TTL after the
+        earliest grant, not after this call: taking the other slots (a slow lock server) may
+        have used most of the first one's TTL, and it would lapse under its body. If the
+        keeper's thread cannot start, nothing stays registered (the caller gives the slots
+        back) and the error propagates."""
         ttl = min(lease.ttl_seconds for _r, _b, lease in held.leases)
+        granted = min(lease.granted_at for _r, _b, lease in held.leases)
         with self._cond:
-            self._held[held] = time.monotonic() + max(0.5, ttl / 3)
+            self._held[held] = granted + max(0.5, ttl / 3)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="taskplatform-limit-slots", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="taskplatform-limit-slots", daemon=True)
+                try:
+                    thread.start()
+                except BaseException:
+                    self._held.pop(held, None)
+                    raise
+                self._thread = thread
             self._cond.notify()
 
     def drop(self, held: Held) -> None:
@@ -580,19 +591,46 @@ def save_limit(limit: Limit, *, user: str, reason: str = "") -> None:
 
     validate(limit)
     created = limit.pk is None
+    before = None if created else Limit.objects.filter(pk=limit.pk).first()
     with transaction.atomic():
         limit.save()
         audit(user, "add_limit" if created else "change_limit", f"limit:{limit.scope}", reason, limit=str(limit))
+        if before is not None and _loosened(before, limit):
+            _recall_waiters(limit.pk)
     rules.reset()
 
 
+def _loosened(before: Limit, after: Limit) -> bool:
+    """Whether ``after`` lets more through than ``before``: more running at once, or more
+    starts in its window (a limit removed lets through everything)."""
+
+    def more(old: int | None, new: int | None) -> bool:
+        return bool(old) and (not new or new > old)  # type: ignore[operator]
+
+    old_rate = before.rate / before.per_seconds if before.rate else None
+    new_rate = after.rate / after.per_seconds if after.rate else None
+    return more(before.concurrency, after.concurrency) or (
+        old_rate is not None and (new_rate is None or new_rate > old_rate)
+    )
+
+
+def _recall_waiters(limit_id: int) -> None:
+    """The executions refused by limit ``limit_id`` are due again once the workers have read
+    the change (``limits_refresh_seconds``), not at their backstops (minutes to hours for a
+    long queue): the rescuer publishes them, and those the limit still refuses wait again.
+    Raising or removing a limit is how an operator lets a backlog through."""
+    ledger.recall_waiters(limit_id, within_seconds=platform_settings().limits_refresh_seconds + 1)
+
+
 def delete_limit(limit: Limit, *, user: str, reason: str = "") -> None:
-    """Delete ``limit`` and audit it; its slots are left to expire (a running body keeps its own)."""
+    """Delete ``limit`` and audit it; its slots are left to expire (a running body keeps its own),
+    and the executions it refused are published again once the workers have read the change."""
     from django.db import transaction
 
     from ..core.audit import audit
 
     with transaction.atomic():
         audit(user, "delete_limit", f"limit:{limit.scope}", reason, limit=str(limit))
+        _recall_waiters(limit.pk)
         limit.delete()
     rules.reset()

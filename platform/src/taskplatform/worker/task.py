@@ -470,39 +470,45 @@ class IdempotentTask(Task):
 
         token = claim.token
         held: limits.Held | None = None
+        renewed_at: float | None = None  # when the lease was last extended, if not by the claim
         applicable = limits.rules_for(execution)
-        if applicable:  # a fleet-wide limit: a slot of each, or the execution waits
-            # Taking the slots may outlast the lease (a lock server slow to answer, many slot
-            # names on Redlock): the rescuer may have re-queued the row and another attempt
-            # claimed it. The body starts only while this attempt still holds a live lease:
-            # ``acquire`` renews it once the running slots are taken, before the start slots.
-            taken = limits.acquire(
-                applicable,
-                execution,
-                lease_seconds=claim.lease_seconds,
-                worker=worker,
-                confirm=lambda: bool(_retry_db(lambda: ledger.renew_lease(execution.pk, token, claim.lease_seconds))),
-            )
-            if isinstance(taken, limits.Refusal):
-                if taken.kind == "lease":
-                    log.warning(
-                        "lease ran out while the limits' slots were taken; the body does not start",
-                        extra={"execution_id": execution.pk, "fencing_token": token},
-                    )
-                # If nobody has acted on the row yet, the claim is given back uncounted and the
-                # execution waits; if the rescuer or another attempt has, the wait is refused as
-                # stale.
-                return self._wait_for_limit(request, execution, token, taken, worker)
-            held = taken
         try:
+            if applicable:  # a fleet-wide limit: a slot of each, or the execution waits
+                # Taking the slots may outlast the lease (a lock server slow to answer, many
+                # slot names on Redlock): the rescuer may have re-queued the row and another
+                # attempt claimed it. The body starts only while this attempt still holds a
+                # live lease: ``acquire`` renews it once the running slots are taken, before
+                # the start slots, and the lease keeper counts from that renewal.
+                def confirm() -> bool:
+                    nonlocal renewed_at
+                    sent = time.monotonic()
+                    renewed = bool(_retry_db(lambda: ledger.renew_lease(execution.pk, token, claim.lease_seconds)))
+                    renewed_at = sent if renewed else None
+                    return renewed
+
+                taken = limits.acquire(
+                    applicable, execution, lease_seconds=claim.lease_seconds, worker=worker, confirm=confirm
+                )
+                if isinstance(taken, limits.Refusal):
+                    if taken.kind == "lease":
+                        log.warning(
+                            "lease ran out while the limits' slots were taken; the body does not start",
+                            extra={"execution_id": execution.pk, "fencing_token": token},
+                        )
+                    # If nobody has acted on the row yet, the claim is given back uncounted and
+                    # the execution waits; if the rescuer or another attempt has, the wait is
+                    # refused as stale.
+                    return self._wait_for_limit(request, execution, token, taken, worker)
+                held = taken
+                ledger.forget_limit_backoffs(execution, token)
             request.tp_execution = execution
             request.retries = execution.attempts - 1
-            watch = leases.lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker)
+            watch = leases.lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker, renewed_at=renewed_at)
             request.tp_watch = watch
         except BaseException:
             # Between the slots and the body (a soft time limit, a keeper that cannot start its
-            # thread): the slots go back, or the slot keeper would renew them for as long as
-            # this process lives and the limit would be one short for good.
+            # thread, a database error): the slots go back, or the slot keeper would renew
+            # them for as long as this process lives and the limit would be one short for good.
             if held is not None:
                 limits.give_back(held, worker=worker)
             raise
