@@ -653,3 +653,22 @@ def test_a_warm_takeover_after_an_edit_reads_the_rows_and_keeps_every_entry(
     assert len(after) >= 2 and all(b - a == timedelta(seconds=2) for a, b in itertools.pairwise(after)), (
         f"the edit applies: {after}"
     )
+
+
+def test_the_cursors_read_at_a_takeover_are_the_cursors_written() -> None:
+    """PostgreSQL reads them as seconds and microseconds since the epoch (parsing 100,000
+    timestamps cost a second of a takeover): to the microsecond, before the epoch and far on."""
+    from datetime import UTC, datetime
+
+    from taskplatform.scheduling.table import read_cursors
+
+    stamps = [
+        datetime(2026, 12, 3, 5, 0, 0, tzinfo=UTC),
+        datetime(2026, 3, 29, 1, 59, 59, 999_999, tzinfo=UTC),
+        datetime(1969, 12, 31, 23, 59, 59, 1, tzinfo=UTC),
+        datetime(1900, 1, 1, 0, 0, 0, 500_000, tzinfo=UTC),
+        datetime(2399, 12, 31, 23, 59, 59, 123_456, tzinfo=UTC),
+    ]
+    ScheduleCursor.objects.bulk_create(ScheduleCursor(name=f"c{i}", last_slot=s) for i, s in enumerate(stamps))
+    assert read_cursors() == dict(ScheduleCursor.objects.values_list("name", "last_slot"))
+    assert read_cursors() == {f"c{i}": s for i, s in enumerate(stamps)}

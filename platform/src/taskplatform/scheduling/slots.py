@@ -129,6 +129,10 @@ class Clocked(Schedule):
         return self.at if self.at > _aware(after, "after") else None
 
 
+#: Answers a ``Crontab`` remembers (``next_after``), cleared when full.
+MEMO_SIZE = 256
+
+
 @dataclass(frozen=True)
 class Crontab(Schedule):
     """Cron fields (Celery's syntax: ranges, steps, lists, day names) in an IANA time zone."""
@@ -146,6 +150,10 @@ class Crontab(Schedule):
     _months: frozenset[int] = field(init=False, repr=False, compare=False)
     _weekdays: frozenset[int] = field(init=False, repr=False, compare=False)
     _real_time: bool = field(init=False, repr=False, compare=False)
+    #: ``next_after``'s recent answers: a crontab is shared by every entry with its expression
+    #: and zone, and those entries' cursors are mostly the same slot (a takeover queues
+    #: 100,000 entries; the scale mix's 30,000 crontab entries use 8,640 crontabs).
+    _memo: dict[datetime, datetime | None] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.expression.isascii():
@@ -175,6 +183,7 @@ class Crontab(Schedule):
         # ``*`` follows real time; one with a specific minute and hour runs once per wall time.
         real_time = str(self.minute).strip().startswith("*") or str(self.hour).strip().startswith("*")
         object.__setattr__(self, "_real_time", real_time)
+        object.__setattr__(self, "_memo", {})
 
     @property
     def expression(self) -> str:
@@ -216,6 +225,17 @@ class Crontab(Schedule):
         fall-back repeats.
         """
         after = _aware(after, "after")
+        try:
+            return self._memo[after]
+        except KeyError:
+            pass
+        upcoming = self._next_after(after)
+        if len(self._memo) >= MEMO_SIZE:
+            self._memo.clear()
+        self._memo[after] = upcoming
+        return upcoming
+
+    def _next_after(self, after: datetime) -> datetime | None:
         tz = self.tz
         offset = _offset(tz, after)
         wall = after.replace(tzinfo=None) + offset

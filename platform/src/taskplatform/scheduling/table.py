@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
+from django.db import connection
 from django.db.models import Count, F, Max, Q, Sum
 from django_celery_beat.models import (
     ClockedSchedule,
@@ -323,7 +324,7 @@ class ScheduleTable:
             job["slug"]: job for job in JobDefinition.objects.filter(slug__in=trigger_slugs).values(*_JOB_FIELDS)
         }
         if first:
-            self.cursors = dict(ScheduleCursor.objects.values_list("name", "last_slot"))
+            self.cursors = read_cursors()
         # ``loaded_at`` moves on only once this load has finished: after a load cut short, the
         # next one owes what it did not reach from the same moment as it would have.
         since = self.loaded_at or now
@@ -395,7 +396,7 @@ class ScheduleTable:
         full load): the cursors are read, and each entry queued from its own, as a cold load
         would; an entry without one starts where a cold load would start it (``_unseen_since``,
         from what the full load read of its row, unchanged since)."""
-        self.cursors = dict(ScheduleCursor.objects.values_list("name", "last_slot"))
+        self.cursors = read_cursors()
         resets: list[tuple[str, datetime]] = []
         try:
             for index, (name, entry) in enumerate(self.entries.items()):
@@ -472,6 +473,24 @@ _SCHEDULES: tuple[tuple[Any, tuple[str, ...]], ...] = (
 
 #: The rows whose change stamps ``ScheduleTable.unchanged`` compares: (kind, model, field).
 _STAMPED = (("task", PeriodicTask, "date_changed"), ("job", JobDefinition, "updated_at"))
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def read_cursors() -> dict[str, datetime]:
+    """Every entry's cursor. On PostgreSQL as whole seconds and microseconds since the epoch:
+    parsing 100,000 timestamps took a second of a takeover."""
+    if connection.vendor != "postgresql":
+        return dict(ScheduleCursor.objects.values_list("name", "last_slot"))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT name, EXTRACT(EPOCH FROM date_trunc('second', last_slot))::bigint, "
+            "mod(EXTRACT(MICROSECONDS FROM last_slot)::bigint, 1000000)::int "
+            f"FROM {ScheduleCursor._meta.db_table}"
+        )
+        rows = cursor.fetchall()
+    return {name: _EPOCH + timedelta(seconds=seconds, microseconds=micros) for name, seconds, micros in rows}
 
 
 def _at_or_after(at: datetime | None, since: datetime) -> bool:
