@@ -474,7 +474,7 @@ def test_a_lease_renewal_that_fails_after_the_slots_were_taken_gives_them_back(l
     limits.rules.reset()
     execution = new("renewal-fails")
 
-    def database_gone(execution_id, token, lease_seconds):
+    def database_gone(execution_id, token, lease_seconds, **kwargs):
         raise OperationalError("server closed the connection unexpectedly")
 
     monkeypatch.setattr(ledger, "renew_lease", database_gone)
@@ -499,10 +499,10 @@ def test_a_lease_renewal_on_a_stale_connection_is_retried_and_the_body_runs(locm
     real = ledger.renew_lease
     failures = [OperationalError("server closed the connection unexpectedly")]
 
-    def blip_once(execution_id, token, lease_seconds):
+    def blip_once(execution_id, token, lease_seconds, **kwargs):
         if failures:
             raise failures.pop()
-        return real(execution_id, token, lease_seconds)
+        return real(execution_id, token, lease_seconds, **kwargs)
 
     monkeypatch.setattr(ledger, "renew_lease", blip_once)
     limited.apply(task_id="m-0", headers={"tp_execution": execution.pk}, throw=True)
@@ -762,9 +762,9 @@ def test_the_lease_keeper_counts_a_limited_attempts_lease_from_the_renewal_befor
             time.sleep(1.5)  # the fault: a slow lock server (under half the tests' 6 s lease)
         return real_acquire(self, names, ttl, identity)
 
-    def renew(execution_id, token, lease_seconds):
+    def renew(execution_id, token, lease_seconds, **kwargs):
         renewals.append(time.monotonic())
-        return real_renew(execution_id, token, lease_seconds)
+        return real_renew(execution_id, token, lease_seconds, **kwargs)
 
     captured: list[leases.Watch] = []
     real_watch = leases.LeaseKeeper.watch
@@ -829,7 +829,7 @@ def test_a_clean_failure_is_not_a_lost_lease_when_the_next_attempt_claimed_first
     assert kinds(row).count("lease_lost") == 1
 
 
-@pytest.mark.parametrize("change", ["delete", "raise", "remove concurrency"])
+@pytest.mark.parametrize("change", ["delete", "raise", "remove concurrency", "move", "queryset delete"])
 def test_waiters_of_a_limit_deleted_or_loosened_are_published_once_the_workers_have_read_it(locmem, change):
     """Deleting a limit (or raising it) is how an operator lets a backlog through; its waiters
     waited for their backstops (15 s x waiters / limit: with 200 and a limit of 1, up to 50
@@ -847,6 +847,11 @@ def test_waiters_of_a_limit_deleted_or_loosened_are_published_once_the_workers_h
         assert isinstance(refusal, limits.Refusal) and limits.wait(c.execution, c.token, refusal, worker="n")
     if change == "delete":
         limits.delete_limit(limit, user="ops", reason="let the backlog through")
+    elif change == "queryset delete":  # as a cascade does (a job deleted with its limit)
+        Limit.objects.filter(pk=limit.pk).delete()
+    elif change == "move":  # to another task: this one is unlimited now
+        limit.task_name = "testapp.limited_atomic"
+        limits.save_limit(limit, user="ops", reason="the other task needs it")
     else:
         limit.concurrency = 10 if change == "raise" else None
         limits.save_limit(limit, user="ops", reason="let the backlog through")
@@ -872,9 +877,12 @@ def test_lowering_a_limit_leaves_its_waiters_where_they_are(locmem):
         limits.release(held, worker="n")
 
 
-def test_a_waiting_row_that_names_no_limit_is_made_due_by_the_rescuer():
+def test_a_waiting_row_that_names_no_limit_is_made_due_by_the_rescuer(monkeypatch):
     """Parked by a release before migration 0011 (or by one of its workers during a rolling
     deploy): no freed slot names it, and its backstop may be hours away."""
+    from taskplatform.core import rescuer
+
+    monkeypatch.setattr(rescuer, "_next_unnamed_recall", 0.0)  # MariaDB looks every 10 minutes
     c = claim(new("unnamed"))
     row = wait(c, delay=3600)
     Execution.objects.filter(pk=row.pk).update(waiting_on_limit=None)
@@ -883,3 +891,65 @@ def test_a_waiting_row_that_names_no_limit_is_made_due_by_the_rescuer():
     assert "republished" in kinds(row), "published by the rescuer's pass"
     assert "republished" not in kinds(named)
     assert Execution.objects.get(pk=named.pk).due_at > timezone.now() + timedelta(minutes=30)
+
+
+def test_the_waiters_of_a_jobs_limit_are_recalled_when_the_job_is_deleted(locmem):
+    """Deleting a job deletes its limit by cascade, past ``delete_limit``: its waiters named a
+    limit no slot of which would ever free again."""
+    from taskplatform.jobs import delete_job
+
+    job, _ = define_job("going", task="testapp.limited")
+    Limit.objects.create(job=job, concurrency=1)
+    limits.rules.reset()
+    holder = claim(new("going-holder", job=job))
+    held = limits.acquire(limits.rules_for(holder.execution), holder.execution, lease_seconds=60, worker="n")
+    assert isinstance(held, limits.Held)
+    c = claim(new("going-waiter", job=job))
+    refusal = limits.acquire(limits.rules_for(c.execution), c.execution, lease_seconds=60, worker="n")
+    assert isinstance(refusal, limits.Refusal)
+    assert ledger.wait_for_limit(
+        c.execution, c.token, delay_seconds=3600, worker="n", reason="full", data={}, limit_id=refusal.rule.id
+    )
+    delete_job(job, user="ops")
+    due = Execution.objects.get(pk=c.execution.pk).due_at
+    assert due - timezone.now() <= timedelta(seconds=10), f"{due - timezone.now()} away"
+    limits.release(held, worker="n")
+
+
+def test_no_statement_runs_between_a_start_slot_and_the_body(locmem):
+    """A start slot counts from its grant and the rate's margin is 50 ms: a write between it
+    and the body (the reset of a row's back-offs sat there) let two starts of a rate of one a
+    second come 0.6 s apart when the database was slow. Here the row had backed off, so the
+    reset happens, and the first statement after the slot's grant is the body's own."""
+    from django.db import connection
+
+    from taskplatform.backends.locmem import LocMemLockBackend
+    from tests.testapp.tasks import limited
+
+    Limit.objects.create(task_name="testapp.limited", rate=100, per_seconds=1)
+    limits.rules.reset()
+    execution = new("nothing-between")
+    Execution.objects.filter(pk=execution.pk).update(limit_backoffs=3)
+    events: list[tuple[str, str]] = []
+    real_acquire = LocMemLockBackend.acquire_any
+
+    def granted(self, names, ttl, identity=None):
+        lease = real_acquire(self, names, ttl, identity)
+        if names and ":started:" in names[0]:
+            events.append(("start slot", ""))
+        return lease
+
+    def statements(execute, sql, params, many, context):
+        events.append(("sql", sql))
+        return execute(sql, params, many, context)
+
+    LocMemLockBackend.acquire_any = granted  # type: ignore[method-assign]
+    try:
+        with connection.execute_wrapper(statements):
+            limited.apply(task_id="m-0", headers={"tp_execution": execution.pk}, throw=True)
+    finally:
+        LocMemLockBackend.acquire_any = real_acquire  # type: ignore[method-assign]
+    after = [sql for kind, sql in events[[kind for kind, _ in events].index("start slot") + 1 :] if kind == "sql"]
+    assert after and "testapp_span" in after[0], f"first statement after the start slot: {after[:1]}"
+    row = Execution.objects.get(pk=execution.pk)
+    assert row.state == State.SUCCEEDED and row.limit_backoffs == 0

@@ -59,6 +59,15 @@ class TaskPlatformConfig(AppConfig):
         worker_process_shutdown.connect(flush_on_exit, dispatch_uid="taskplatform.success_recorder")
         worker_shutdown.connect(flush_on_exit, dispatch_uid="taskplatform.success_recorder")
 
+        from django.db.models.signals import post_delete
+
+        from .models import Limit
+        from .worker.limits import recall_waiters_of_deleted
+
+        # However a limit goes (the admin, a job deleted with its limit, a queryset's delete),
+        # the executions it refused are published again once the workers have read it.
+        post_delete.connect(recall_waiters_of_deleted, sender=Limit, dispatch_uid="taskplatform.limit_deleted")
+
         install_admin_overview(admin.site)
         start_tracing()
         load_deferred()  # what taskplatform.tasks deferred, if it was imported before setup

@@ -25,7 +25,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Q, Value
 from django.utils import timezone
 
@@ -544,15 +544,22 @@ def _absorb_early(execution: Execution, *, worker: str, celery_task_id: str) -> 
     return Claim("early", execution)
 
 
-def renew_lease(execution_id: int, token: int, lease_seconds: int) -> bool:
+def renew_lease(execution_id: int, token: int, lease_seconds: int, *, starting: bool = False) -> bool:
     """Extend the lease of the attempt holding ``token``; False if that attempt lost it.
 
     Only a live lease is extended (by the database's clock): once it has expired, the
     rescuer or a takeover may already be acting on it, so a late renewal must not revive it.
+    ``starting``: the renewal right before a limited body's start slots; it also ends the
+    row's run of back-offs (``limit_backoffs``) in the same statement, for nothing slow may
+    sit between a start slot and the body. A wait after it still counts from the value the
+    worker read with its claim.
     """
+    changes: dict[str, Any] = {"lease_expires_at": _db_now(timedelta(seconds=lease_seconds))}
+    if starting:
+        changes["limit_backoffs"] = 0
     rows = Execution.objects.filter(
         pk=execution_id, state=State.RUNNING, fencing_token=token, lease_expires_at__gt=UtcNow()
-    ).update(lease_expires_at=_db_now(timedelta(seconds=lease_seconds)), updated_at=timezone.now())
+    ).update(**changes, updated_at=timezone.now())
     return rows == 1
 
 
@@ -922,19 +929,6 @@ def recall_unnamed_waiters(*, batch: int = 1000) -> int:
     return Execution.objects.filter(pk__in=ids, state=State.WAITING, waiting_on_limit__isnull=True).update(
         due_at=_db_now(), updated_at=timezone.now()
     )
-
-
-def forget_limit_backoffs(execution: Execution, token: int) -> None:
-    """The attempt holding ``token`` starts its body: its waits for an unreachable lock backend
-    are no longer "in a row", and a later outage's first wait is the short one again."""
-    if not execution.limit_backoffs:
-        return
-    try:
-        Execution.objects.filter(pk=execution.pk, fencing_token=token).update(limit_backoffs=0)
-    except DatabaseError:  # a longer first wait next time at worst: the body starts anyway
-        log.warning("could not reset an execution's limit back-off count", exc_info=True)
-        return
-    execution.limit_backoffs = 0
 
 
 def count_waiting(

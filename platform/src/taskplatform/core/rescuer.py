@@ -20,12 +20,14 @@ and the ``taskplatform.rescue`` Celery task run the same function.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
+from django.db import connection
 from django.utils import timezone
 
 from .. import tracing
@@ -37,6 +39,11 @@ from . import flows, ledger
 from .validation import is_idempotent, registered_task
 
 log = logging.getLogger("taskplatform.rescuer")
+
+#: On MariaDB, how often a rescuer looks for waiting rows that name no limit (an earlier
+#: release's, ``ledger.recall_unnamed_waiters``); elsewhere a partial index makes it every pass.
+UNNAMED_RECALL_SECONDS = 600.0
+_next_unnamed_recall = 0.0
 
 
 @dataclass
@@ -121,7 +128,11 @@ def run_rescuer(now: datetime | None = None, *, keep_going: Callable[[], bool] =
             if execution.flow_id is not None:
                 flows.advance_quietly(execution.flow_id)  # a flow's step or compensation: its next move now
 
-    ledger.recall_unnamed_waiters(batch=batch)  # parked by an earlier release: due now, published below
+    global _next_unnamed_recall
+    if time.monotonic() >= _next_unnamed_recall:  # parked by an earlier release: due now, published below
+        ledger.recall_unnamed_waiters(batch=batch)
+        # MariaDB has no partial index: the look reads every waiting row, so not every pass.
+        _next_unnamed_recall = time.monotonic() + (UNNAMED_RECALL_SECONDS if connection.vendor == "mysql" else 0)
     due = (
         Execution.objects.select_related("job")
         .filter(state__in=(State.PENDING, State.RETRYING, State.WAITING), due_at__lte=UtcNow())

@@ -342,7 +342,7 @@ class LockedScheduler(DatabaseScheduler):
         assert lease is not None
         try:
             take_over_fence(self.conf.beat_lock_name, lease, self._still_holds)
-            self.table = self._stop_warm_up() or ScheduleTable(self.conf, self.app)
+            self.table = self._stop_warm_up(renewing=True) or ScheduleTable(self.conf, self.app)
             self.clock.measure(self.conf.beat_lock_name)
             self._sync_table(self.clock.now(), first=True)
         except FencedOff as exc:
@@ -385,6 +385,8 @@ class LockedScheduler(DatabaseScheduler):
         try:
             started = time.monotonic()
             cold = table.loaded_at is None
+            # By the database's clock, as the leader's loads: the change check compares stamps.
+            self.clock.measure(self.conf.beat_lock_name)
             table.load(self.clock.now(), first=False, keep_alive=keep_going, entries_only=True)
             with self._warm_lock:
                 if not self._warm_stop.is_set():  # not after a takeover gave up waiting for it
@@ -403,7 +405,7 @@ class LockedScheduler(DatabaseScheduler):
         finally:
             connections.close_all()  # this thread's connections
 
-    def _stop_warm_up(self) -> ScheduleTable | None:
+    def _stop_warm_up(self, *, renewing: bool = False) -> ScheduleTable | None:
         """Stop the warm-up and hand over its table. A load stops within a few hundred rows,
         but not inside its first query: it is waited for a third of the lease at most (the
         lease is not renewed meanwhile), and past that a takeover starts cold, never with a
@@ -411,7 +413,11 @@ class LockedScheduler(DatabaseScheduler):
         self._warm_stop.set()
         warmer, self._warmer = self._warmer, None
         if warmer is not None:
-            warmer.join(timeout=self.conf.beat_lease_seconds / 3)
+            deadline = time.monotonic() + self.conf.beat_lease_seconds / 3
+            while warmer.is_alive() and time.monotonic() < deadline:
+                warmer.join(timeout=0.1)
+                if renewing:
+                    self._keep_alive()  # a takeover's lease is renewed while it waits (FencedOff if it cannot be)
         with self._warm_lock:
             table, self._warm = self._warm, None
         self._warmed_at = float("-inf")

@@ -602,7 +602,10 @@ def save_limit(limit: Limit, *, user: str, reason: str = "") -> None:
 
 def _loosened(before: Limit, after: Limit) -> bool:
     """Whether ``after`` lets more through than ``before``: more running at once, or more
-    starts in its window (a limit removed lets through everything)."""
+    starts in its window (a limit removed lets through everything); or it moved (another task
+    or job, another lock backend: its old scope is unlimited now, and its slots count afresh)."""
+    if (before.task_name, before.job_id, before.backend) != (after.task_name, after.job_id, after.backend):
+        return True
 
     def more(old: int | None, new: int | None) -> bool:
         return bool(old) and (not new or new > old)  # type: ignore[operator]
@@ -631,6 +634,12 @@ def delete_limit(limit: Limit, *, user: str, reason: str = "") -> None:
 
     with transaction.atomic():
         audit(user, "delete_limit", f"limit:{limit.scope}", reason, limit=str(limit))
-        _recall_waiters(limit.pk)
-        limit.delete()
+        limit.delete()  # its waiters are recalled (``recall_waiters_of_deleted``)
     rules.reset()
+
+
+def recall_waiters_of_deleted(sender: object, instance: Limit, **kwargs: object) -> None:
+    """``post_delete`` of a ``Limit``, however it goes: through ``delete_limit``, with its job
+    (a cascade), or a queryset's delete. Its waiters would otherwise wait for their backstops,
+    for no slot of a deleted limit ever frees."""
+    _recall_waiters(instance.pk)

@@ -471,6 +471,7 @@ class IdempotentTask(Task):
         token = claim.token
         held: limits.Held | None = None
         renewed_at: float | None = None  # when the lease was last extended, if not by the claim
+        taken: limits.Held | limits.Refusal | None = None
         applicable = limits.rules_for(execution)
         try:
             if applicable:  # a fleet-wide limit: a slot of each, or the execution waits
@@ -482,7 +483,9 @@ class IdempotentTask(Task):
                 def confirm() -> bool:
                     nonlocal renewed_at
                     sent = time.monotonic()
-                    renewed = bool(_retry_db(lambda: ledger.renew_lease(execution.pk, token, claim.lease_seconds)))
+                    renewed = bool(
+                        _retry_db(lambda: ledger.renew_lease(execution.pk, token, claim.lease_seconds, starting=True))
+                    )
                     renewed_at = sent if renewed else None
                     return renewed
 
@@ -500,7 +503,6 @@ class IdempotentTask(Task):
                     # refused as stale.
                     return self._wait_for_limit(request, execution, token, taken, worker)
                 held = taken
-                ledger.forget_limit_backoffs(execution, token)
             request.tp_execution = execution
             request.retries = execution.attempts - 1
             watch = leases.lease_keeper().watch(execution.pk, token, claim.lease_seconds, worker, renewed_at=renewed_at)
@@ -509,6 +511,8 @@ class IdempotentTask(Task):
             # Between the slots and the body (a soft time limit, a keeper that cannot start its
             # thread, a database error): the slots go back, or the slot keeper would renew
             # them for as long as this process lives and the limit would be one short for good.
+            if held is None and isinstance(taken, limits.Held):
+                held = taken  # raised between acquire's return and the assignment
             if held is not None:
                 limits.give_back(held, worker=worker)
             raise
