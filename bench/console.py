@@ -1,12 +1,15 @@
 """The console and /metrics at a million executions: p50/p95 of each page, in PostgreSQL.
 
     .venv/bin/python bench/console.py [--executions 1000000] [--events-per 5] [--requests 20]
+                                      [--writers N] [--prune-seconds S]
 
 Fills a database of its own (``taskplatform_console``; kept between runs when it already
 holds the asked volume) with executions in every state over 30 days, 100 job definitions and
 ``--events-per`` events an execution, then requests each page ``--requests`` times through
 Django's test client, logged in as a superuser (``/metrics`` with its bearer token), and
 reports p50 and p95 in milliseconds. The issue's target: every page under 300 ms at p95.
+``--writers N``: meanwhile N processes write to the ledger as workers do (create, claim,
+succeed), flat out. ``--prune-seconds S``: then ``ledger.prune`` for S seconds.
 """
 
 from __future__ import annotations
@@ -176,6 +179,47 @@ def measure(requests: int) -> list[tuple[str, float, float, int]]:
     return results
 
 
+def write_loop(stop_file: Path) -> None:
+    """A worker's writes to the ledger, as fast as one process makes them, until ``stop_file``
+    exists: an execution created, claimed and succeeded (three commits, a row and its events),
+    then its count printed (``--writers``: the pages measured while the ledger is written)."""
+    import uuid
+
+    from taskplatform.core import ledger
+
+    done = 0
+    started = time.monotonic()
+    prefix = uuid.uuid4().hex[:8]
+    while not stop_file.exists():
+        execution, _ = ledger.create(
+            ledger.NewExecution(idempotency_key=f"writer:{prefix}:{done}", task_name="tasks.ping", args=[], kwargs={})
+        )
+        claim = ledger.claim(execution, worker="bench:1", celery_task_id="m", lease_seconds=60, max_attempts=3)
+        ledger.succeed(claim.execution, claim.token, None, worker="bench:1", data={})
+        done += 1
+    print(f"{done} {time.monotonic() - started:.3f}", flush=True)
+
+
+def writers_running(n: int) -> tuple[list[subprocess.Popen[str]], Path]:
+    stop_file = Path(f"/tmp/console-bench-stop-{os.getpid()}")
+    stop_file.unlink(missing_ok=True)
+    command = [sys.executable, __file__, "--write-loop", str(stop_file)]
+    procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    return procs, stop_file
+
+
+def writers_stopped(procs: list[subprocess.Popen[str]], stop_file: Path) -> float:
+    """Stop the writers; the executions they completed a second, together."""
+    stop_file.touch()
+    rate = 0.0
+    for proc in procs:
+        out, _ = proc.communicate(timeout=60)
+        done, seconds = out.split()
+        rate += int(done) / float(seconds)
+    stop_file.unlink(missing_ok=True)
+    return rate
+
+
 def prune_rate(seconds: float) -> tuple[float, float]:
     """Pruning at this volume: ``ledger.prune`` batch after batch, as the maintenance holder
     runs it, for ``seconds`` (the oldest third of the rows are past the cutoff); executions and
@@ -219,16 +263,29 @@ def main() -> None:
     parser.add_argument(
         "--prune-seconds", type=float, default=0, help="then measure pruning for this long (deletes rows)"
     )
+    parser.add_argument(
+        "--writers", type=int, default=0, help="processes writing to the ledger while the pages are measured"
+    )
+    parser.add_argument("--write-loop", type=Path, help=argparse.SUPPRESS)  # a writer's own process
     options = parser.parse_args()
     import django
 
     django.setup()
+    if options.write_loop:
+        write_loop(options.write_loop)
+        return
     from django.conf import settings
 
     settings.ALLOWED_HOSTS = ["testserver"]
     ensure_database()
     fill(options.executions, options.events_per)
-    results = measure(options.requests)
+    procs, stop_file = writers_running(options.writers)
+    try:
+        results = measure(options.requests)
+    finally:
+        if procs:
+            rate = writers_stopped(procs, stop_file)
+            print(f"meanwhile {len(procs)} writers completed {rate:,.0f} executions a second (3 commits each)")
     over = [label for label, _p50, p95, _s in results if p95 >= 300]
     summary = f"{len(results) - len(over)} of {len(results)} pages under 300 ms at p95"
     print(f"\n{summary}; over: {over}" if over else f"\n{summary}")
