@@ -60,3 +60,45 @@ def test_an_insert_without_the_new_columns_succeeds() -> None:
         )
     stored = Execution.objects.get(idempotency_key="old-release-1")
     assert (stored.trace_context, stored.trace_id) == ("", "")
+
+
+def test_a_migration_that_adds_columns_runs_in_one_transaction() -> None:
+    """Review of issue 15 (round 6): 0011 was non-atomic (for a concurrent index build), and on
+    SQLite adding a column with a default rebuilds the table step by step: a previous release's
+    insert between the copy and the drop was lost. A migration that is not atomic may only
+    build indexes, and a column is added in one that is."""
+    from django.db.migrations.operations import RunPython
+
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    for (app, name), migration in loader.disk_migrations.items():
+        if app != "taskplatform" or migration.atomic:
+            continue
+        others = [type(op).__name__ for op in migration.operations if not isinstance(op, RunPython)]
+        assert not others, f"{name} is not atomic and also runs {others}"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_waiting_index_build_is_run_again_after_a_build_that_failed() -> None:
+    """A concurrent build cancelled part-way (a statement timeout during a deploy) leaves an
+    invalid index, which ``IF NOT EXISTS`` would keep for good; the next ``migrate`` runs 0012
+    again, which drops it and builds it anew."""
+    if connection.vendor != "postgresql":
+        pytest.skip("CREATE INDEX CONCURRENTLY and invalid indexes are PostgreSQL's")
+    from importlib import import_module
+
+    index = import_module("taskplatform.migrations.0012_limit_waiters_index")
+    with connection.cursor() as cursor:
+        # As a cancelled build leaves it (the test database's superuser may mark it so).
+        cursor.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = %s::regclass", [index.INDEX])
+
+        def valid() -> bool:
+            cursor.execute(
+                "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s",
+                [index.INDEX],
+            )
+            return bool(cursor.fetchone()[0])
+
+        assert not valid()
+        with connection.schema_editor(atomic=False) as editor:
+            index.create(None, editor)
+        assert valid()
