@@ -672,3 +672,47 @@ def test_the_cursors_read_at_a_takeover_are_the_cursors_written() -> None:
     ScheduleCursor.objects.bulk_create(ScheduleCursor(name=f"c{i}", last_slot=s) for i, s in enumerate(stamps))
     assert read_cursors() == dict(ScheduleCursor.objects.values_list("name", "last_slot"))
     assert read_cursors() == {f"c{i}": s for i, s in enumerate(stamps)}
+
+
+def test_a_takeover_fenced_off_while_it_waits_for_the_warm_up_hands_no_table_to_a_later_one() -> None:
+    """Review 7: a takeover whose lease could not be trusted while it waited for the warm-up
+    thread (in its first query) left that thread's table installed as the warm one, and the
+    next warm-up cleared the shared stop flag: two threads loaded one table at once. Now the
+    table is dropped however the wait ends, and a stopped thread stays stopped."""
+    import threading
+    from types import SimpleNamespace
+
+    s = LockedScheduler.__new__(LockedScheduler)  # only the warm-up's state: no database
+    s._warm_lock, s._closing, s.identity, s.app = threading.Lock(), False, "b", celery_app
+    s.conf = SimpleNamespace(beat_lease_seconds=6.0, beat_sync_seconds=5.0)  # type: ignore[assignment]
+    table = object()
+    s._warm = table  # type: ignore[assignment]
+    in_query = threading.Event()
+    stop = threading.Event()
+    seen: list[bool] = []
+
+    def loading() -> None:  # a warm-up in its first query, then its stop check
+        in_query.wait(10)
+        seen.append(stop.is_set())
+
+    s._warm_stop, s._warmer = stop, threading.Thread(target=loading, daemon=True)
+    s._warmer.start()
+
+    def cannot_renew() -> None:
+        raise FencedOff("the lease can no longer be trusted")
+
+    s._keep_alive = cannot_renew  # type: ignore[method-assign]
+    stale = s._warmer
+    with pytest.raises(FencedOff):
+        s._stop_warm_up(renewing=True)
+    assert s._warm is None, "the table the stopped thread still loads is nobody's warm table"
+    handed: list[object] = []
+    s._warm_run = lambda t, flag: handed.append(t)  # type: ignore[method-assign,assignment]
+    s._warmed_at = float("-inf")
+    s._warm_up()
+    assert s._warmer is not None
+    s._warmer.join(5)
+    in_query.set()
+    stale.join(5)
+    assert handed and handed[0] is not table, "a later warm-up builds a table of its own"
+    assert seen == [True], "the stopped thread still sees its own stop flag"

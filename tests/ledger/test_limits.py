@@ -891,6 +891,25 @@ def test_a_waiting_row_that_names_no_limit_is_made_due_by_the_rescuer(monkeypatc
     assert "republished" in kinds(row), "published by the rescuer's pass"
     assert "republished" not in kinds(named)
     assert Execution.objects.get(pk=named.pk).due_at > timezone.now() + timedelta(minutes=30)
+    # Recalled once: the next pass leaves its message alone (review 7: recalled every pass,
+    # each new message superseded the one on its way, and the row was never claimed).
+    run_rescuer()
+    assert kinds(row).count("republished") == 1
+    assert Execution.objects.get(pk=row.pk).waiting_on_limit == ledger.RECALLED
+
+
+def test_more_unnamed_waiters_than_a_batch_are_all_recalled_pass_after_pass(monkeypatch, settings):
+    """Review 7: on MariaDB the look waited 10 minutes after every pass, a full batch included
+    (30,000 rows parked by the previous release took 10 hours)."""
+    from taskplatform.core import rescuer
+
+    monkeypatch.setattr(rescuer, "_next_unnamed_recall", 0.0)
+    settings.TASKPLATFORM_RESCUE_BATCH_SIZE = 5
+    rows = [wait(claim(new(f"unnamed-{i}")), delay=3600) for i in range(7)]
+    Execution.objects.filter(pk__in=[r.pk for r in rows]).update(waiting_on_limit=None)
+    run_rescuer()
+    run_rescuer()
+    assert not Execution.objects.filter(pk__in=[r.pk for r in rows], waiting_on_limit__isnull=True).exists()
 
 
 def test_the_waiters_of_a_jobs_limit_are_recalled_when_the_job_is_deleted(locmem):

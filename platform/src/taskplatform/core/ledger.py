@@ -915,19 +915,26 @@ def recall_waiters(limit_id: int, *, within_seconds: float) -> int:
     return rows.update(due_at=due, updated_at=timezone.now())
 
 
+#: ``waiting_on_limit`` of a waiting row the rescuer recalled though it named no limit (no
+#: limit has this id): it is not recalled again, and a refusal after its claim names the limit.
+RECALLED = 0
+
+
 def recall_unnamed_waiters(*, batch: int = 1000) -> int:
     """Make due now the ``WAITING`` executions that name no limit: parked by a release before
-    migration 0011 (or by a worker of it during a rolling deploy), a freed slot never wakes
-    them, and their backstops can be hours away. Run by the rescuer; nearly always none."""
+    migration 0011 (or by one of its workers during a rolling deploy), a freed slot never wakes
+    them, and their backstops can be hours away. Each is recalled once (``RECALLED`` in its
+    limit column): recalled again on every pass, its message would be superseded before a
+    worker took it. Run by the rescuer; nearly always none. Returns how many."""
     ids = list(
-        Execution.objects.filter(state=State.WAITING, waiting_on_limit__isnull=True, due_at__gt=_db_now()).values_list(
-            "pk", flat=True
-        )[:batch]
+        Execution.objects.filter(state=State.WAITING, waiting_on_limit__isnull=True)
+        .order_by("id")
+        .values_list("pk", flat=True)[:batch]
     )
     if not ids:
         return 0
     return Execution.objects.filter(pk__in=ids, state=State.WAITING, waiting_on_limit__isnull=True).update(
-        due_at=_db_now(), updated_at=timezone.now()
+        due_at=_db_now(), waiting_on_limit=RECALLED, updated_at=timezone.now()
     )
 
 

@@ -130,9 +130,11 @@ def run_rescuer(now: datetime | None = None, *, keep_going: Callable[[], bool] =
 
     global _next_unnamed_recall
     if time.monotonic() >= _next_unnamed_recall:  # parked by an earlier release: due now, published below
-        ledger.recall_unnamed_waiters(batch=batch)
-        # MariaDB has no partial index: the look reads every waiting row, so not every pass.
-        _next_unnamed_recall = time.monotonic() + (UNNAMED_RECALL_SECONDS if connection.vendor == "mysql" else 0)
+        recalled = ledger.recall_unnamed_waiters(batch=batch)
+        # MariaDB has no partial index: the look reads every waiting row, so not every pass
+        # once there are none left (a full batch: the next pass goes on with the rest).
+        if recalled < batch and connection.vendor == "mysql":
+            _next_unnamed_recall = time.monotonic() + UNNAMED_RECALL_SECONDS
     due = (
         Execution.objects.select_related("job")
         .filter(state__in=(State.PENDING, State.RETRYING, State.WAITING), due_at__lte=UtcNow())

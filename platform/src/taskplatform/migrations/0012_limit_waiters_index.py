@@ -18,6 +18,13 @@ def create(apps, schema_editor):
     vendor = schema_editor.connection.vendor
     if vendor == "sqlite":
         schema_editor.execute(f"CREATE INDEX IF NOT EXISTS {INDEX} ON taskplatform_execution {COLUMNS}")
+        # 0011's column with a default made SQLite rebuild the table, which keeps only the
+        # model's own indexes: 0010's partial ones are made again.
+        for name, column in (("tp_exec_waiting_task", "task_name"), ("tp_exec_waiting_job", "job_id")):
+            schema_editor.execute(
+                f'CREATE INDEX IF NOT EXISTS {name} ON taskplatform_execution ("{column}", "id") '
+                "WHERE \"state\" = 'WAITING'"
+            )
     elif vendor == "postgresql":
         # CONCURRENTLY: the ledger stays readable and writable while the index is built (a
         # plain CREATE INDEX holds off every claim and renewal for the whole scan). A build

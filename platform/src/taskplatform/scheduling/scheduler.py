@@ -363,7 +363,8 @@ class LockedScheduler(DatabaseScheduler):
         """On a follower, every ``beat_sync_seconds``: bring the warm table up to date in a
         thread of its own (a first load of 100,000 entries takes seconds, and the tick must
         keep trying for the lease meanwhile). Nothing is written; an error is logged and the
-        next look tries again."""
+        next look tries again. Each thread has its own stop flag: a thread a takeover gave up
+        waiting for stays stopped, whatever later threads do."""
         if self._closing or (self._warmer is not None and self._warmer.is_alive()):
             return
         if time.monotonic() - self._warmed_at < self.conf.beat_sync_seconds:
@@ -371,15 +372,15 @@ class LockedScheduler(DatabaseScheduler):
         self._warmed_at = time.monotonic()
         with self._warm_lock:
             table = self._warm or ScheduleTable(self.conf, self.app)
-        self._warm_stop.clear()
+        self._warm_stop = stop = threading.Event()
         self._warmer = threading.Thread(
-            target=self._warm_run, args=(table,), name="taskplatform-beat-warm-up", daemon=True
+            target=self._warm_run, args=(table, stop), name="taskplatform-beat-warm-up", daemon=True
         )
         self._warmer.start()
 
-    def _warm_run(self, table: ScheduleTable) -> None:
+    def _warm_run(self, table: ScheduleTable, stop: threading.Event) -> None:
         def keep_going() -> None:
-            if self._warm_stop.is_set():
+            if stop.is_set():
                 raise _WarmUpStopped
 
         try:
@@ -389,7 +390,7 @@ class LockedScheduler(DatabaseScheduler):
             self.clock.measure(self.conf.beat_lock_name)
             table.load(self.clock.now(), first=False, keep_alive=keep_going, entries_only=True)
             with self._warm_lock:
-                if not self._warm_stop.is_set():  # not after a takeover gave up waiting for it
+                if not stop.is_set():  # not after a takeover gave up waiting for it
                     self._warm = table
             if cold:
                 log.info(
@@ -407,20 +408,24 @@ class LockedScheduler(DatabaseScheduler):
 
     def _stop_warm_up(self, *, renewing: bool = False) -> ScheduleTable | None:
         """Stop the warm-up and hand over its table. A load stops within a few hundred rows,
-        but not inside its first query: it is waited for a third of the lease at most (the
-        lease is not renewed meanwhile), and past that a takeover starts cold, never with a
-        table another thread is still writing."""
+        but not inside its first query: it is waited for a third of the lease at most, the
+        lease renewed meanwhile at a takeover (``renewing``), and past that a takeover starts
+        cold, never with a table another thread is still writing. However this ends (a lease
+        that can no longer be trusted raises ``FencedOff``), the table is no longer the warm
+        one: a later warm-up starts on a table of its own."""
         self._warm_stop.set()
         warmer, self._warmer = self._warmer, None
-        if warmer is not None:
-            deadline = time.monotonic() + self.conf.beat_lease_seconds / 3
-            while warmer.is_alive() and time.monotonic() < deadline:
-                warmer.join(timeout=0.1)
-                if renewing:
-                    self._keep_alive()  # a takeover's lease is renewed while it waits (FencedOff if it cannot be)
-        with self._warm_lock:
-            table, self._warm = self._warm, None
-        self._warmed_at = float("-inf")
+        try:
+            if warmer is not None:
+                deadline = time.monotonic() + self.conf.beat_lease_seconds / 3
+                while warmer.is_alive() and time.monotonic() < deadline:
+                    warmer.join(timeout=0.1)
+                    if renewing:
+                        self._keep_alive()  # a takeover's lease is renewed while it waits
+        finally:
+            with self._warm_lock:
+                table, self._warm = self._warm, None
+            self._warmed_at = float("-inf")
         if warmer is not None and warmer.is_alive():
             log.warning("beat %s takes over cold: its warm-up did not stop in time", self.identity)
             return None
