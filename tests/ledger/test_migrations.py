@@ -102,3 +102,14 @@ def test_the_waiting_index_build_is_run_again_after_a_build_that_failed() -> Non
         with connection.schema_editor(atomic=False) as editor:
             index.create(None, editor)
         assert valid()
+
+
+@pytest.mark.django_db
+def test_the_partial_indexes_over_waiting_rows_survive_every_migration() -> None:
+    """Review 7: on SQLite, 0011's column with a default rebuilt the table, which keeps only the
+    model's own indexes: 0010's partial indexes were gone. 0012 makes them again."""
+    if connection.vendor not in ("postgresql", "sqlite"):
+        pytest.skip("MariaDB has no partial indexes (the (state, due_at) index serves)")
+    with connection.cursor() as cursor:
+        indexes = connection.introspection.get_constraints(cursor, "taskplatform_execution")
+    assert {"tp_exec_waiting_task", "tp_exec_waiting_job", "tp_exec_waiting_limit"} <= set(indexes)
