@@ -65,6 +65,7 @@ def reset() -> None:
 
     broker().flushdb()
     redis.Redis.from_url(settings.CELERY_REDBEAT_REDIS_URL).flushdb()
+    _MADE.clear()  # the schedule rows ``schedule_of`` made are truncated below
     with connection.cursor() as cur:
         cur.execute(
             "TRUNCATE taskplatform_executionevent, taskplatform_execution, taskplatform_jobdefinition, "
