@@ -235,3 +235,42 @@ def test_an_entry_created_before_a_load_cut_short_is_owed_from_the_load_before(m
     monkeypatch.undo()
     resets, _gone = table.load(timezone.now() + timedelta(seconds=10), first=False)
     assert dict(resets)[entry_name(job)] == finished_at
+
+
+def test_a_load_keeps_the_lease_alive_while_it_reads_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keep_alive`` (the leader's lease renewal) is called every ``KEEP_ALIVE_EVERY`` rows
+    while the rows are read, not only while entries are built: at 100,000 entries the read
+    alone outlasted the 6 s lease on a busy host, and the leader lost the lease before it had
+    built a single entry, at every attempt."""
+    make_jobs(12)
+    monkeypatch.setattr(table_module, "KEEP_ALIVE_EVERY", 5)
+    table = ScheduleTable(platform_settings(), celery_app)
+    built_when_called: list[int] = []
+    table.load(timezone.now(), first=True, keep_alive=lambda: built_when_called.append(len(table.entries)))
+    assert len(table.entries) == 12
+    # The read calls it once per 5 rows (3 times for 12) before any entry exists; the build
+    # loop's first call, at row 0, makes one more with none built.
+    assert built_when_called.count(0) >= 4, built_when_called
+
+
+def test_the_quick_argument_parse_is_json_loads_whenever_it_answers() -> None:
+    """``_loads`` skips ``json.loads`` for empty containers and a list of one plain string (a
+    trigger's job slug, on every job's row): what it returns is what ``json.loads`` returns."""
+    import json
+    import random
+
+    samples = ["[]", "{}", '[""]', '["a"]', '["job-1"]', '["a b"]', '["é"]', '["\\u0041"]', '["a\\"b"]',
+               '["a","b"]', '["a"] ', ' ["a"]', '[1]', '{"a": 1}', '["\\\\"]', '["\\n"]', '["a"]]']  # fmt: skip
+    alphabet = 'ab"\\ ,[]{}:\u00e9\t\n0'
+    rng = random.Random(7)
+    samples += ['["' + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))) + '"]' for _ in range(3000)]
+    for text in samples:
+        try:
+            expected = json.loads(text)
+        except ValueError:
+            with pytest.raises(ValueError):
+                table_module._loads(text, [])
+            continue
+        got = table_module._loads(text, [])
+        assert got == expected and type(got) is type(expected), text
+    assert table_module._loads("", []) == [] and table_module._loads(None, {}) == {}

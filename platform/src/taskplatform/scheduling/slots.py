@@ -59,6 +59,8 @@ def format_slot(slot: datetime) -> str:
 
 
 def _aware(value: datetime, what: str) -> datetime:
+    if value.tzinfo is UTC:  # most values: the scheduler's own and the database's
+        return value
     if value.tzinfo is None:
         raise ValueError(f"{what} must be timezone-aware, not {value!r}")
     return value.astimezone(UTC)
