@@ -521,6 +521,32 @@ def test_a_batch_publishes_its_new_slots_once_and_not_a_slot_whose_execution_exi
     assert messages == fresh.count() + new_kept.count() == leader.stats.published, "one message per new slot"
 
 
+def test_a_ticks_statements_do_not_grow_with_the_job_slots_it_publishes(
+    schedulers: Callable[[], LockedScheduler],
+) -> None:
+    """A tick reads the jobs of its slots in one query, without the columns publication never
+    reads (``_UNPUBLISHED_JOB_FIELDS``): one of them read after all would cost a query per job,
+    and the tick's statements would outnumber its slots."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    for i in range(30):
+        every_second_job(f"many-{i}")
+    leader = schedulers()
+    run_beat(leader, seconds=1.2)  # leading, the first load done
+    deadline = time.monotonic() + 10
+    while True:
+        before = leader.stats.published
+        with CaptureQueriesContext(connection) as queries:
+            leader.tick()
+        published = leader.stats.published - before
+        if published >= 30 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert published >= 30, "a tick with a slot of every job"
+    assert len(queries) < 15, [q["sql"][:80] for q in queries]
+
+
 # --- a drop-in for django-celery-beat users -----------------------------------------------------
 
 
