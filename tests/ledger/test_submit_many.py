@@ -409,6 +409,32 @@ def test_a_batch_publishes_the_message_publish_would_send(broker, sent_events, m
         assert sent[0] == sent[1] and sent[0]["uuid"] == "same-id" and sent[0]["queue"] == broker.name
 
 
+def test_jobs_share_a_message_prototype_only_when_their_limits_are_the_same(broker):
+    """A batch builds one message prototype per task, queue, priority and the job's lease and
+    time limits (the beat's slots of many jobs with the same limits share one): each message
+    still carries its own job's limits, whether the job came loaded with its execution or not."""
+    from taskplatform.core.publisher import publish_many
+
+    limits = [(7, 5, 9), (7, 5, 9), (30, None, 60), (None, None, None)]
+    jobs = []
+    for n, (lease, soft, hard) in enumerate(limits):
+        fields = {"lease_seconds": lease, "soft_time_limit_seconds": soft, "time_limit_seconds": hard}
+        jobs.append(JobDefinition.objects.create(slug=f"shape-{n}", task=EFFECT, queue=broker.name, **fields))
+    executions = [submit(job, args=[n], on_commit=False) for n, job in enumerate(jobs)]
+    fresh = Execution.objects.get(pk=executions[2].pk)  # its job not loaded: read when its message is built
+    assert not Execution.job.is_cached(fresh)
+    broker.clear()
+    batch = [*executions, fresh]
+    assert publish_many([(execution, f"task-{n}", None) for n, execution in enumerate(batch)])
+    sent = {m["headers"]["id"]: m["headers"] for m in broker.messages()}
+    for n, execution in enumerate(batch):
+        lease, soft, hard = limits[jobs.index(execution.job)]
+        headers = sent[f"task-{n}"]
+        assert headers["tp_key"] == execution.idempotency_key
+        assert headers.get("tp_lease") == lease, (n, headers)
+        assert headers["timelimit"] == [hard, soft], (n, headers)
+
+
 def test_a_broker_that_refuses_the_batch_leaves_the_rows_to_the_rescuer(broker, use_broker, caplog):
     use_broker("redis://127.0.0.1:1/0")  # nothing listens there
     started = time.monotonic()

@@ -155,8 +155,8 @@ class _BatchSender:
     def send(self, execution: Execution, task_id: str, countdown: float | None) -> None:
         prototype = None
         if not countdown:
-            # What ``message_options`` reads besides the task id: the same for a whole batch.
-            shape = (execution.task_name, execution.queue, execution.priority, execution.job_id)
+            # What ``message_options`` reads besides the task id and the execution's own headers.
+            shape = (execution.task_name, execution.queue, execution.priority, *_job_shape(execution))
             if shape not in self.prototypes:
                 self.prototypes[shape] = self._prototype(execution)
             prototype = self.prototypes[shape]
@@ -256,6 +256,21 @@ class _BatchSender:
                 retry=retry,
                 **routed,
             )
+
+
+def _job_shape(execution: Execution) -> tuple[Any, ...]:
+    """What ``message_options`` reads of the execution's job: its lease and time limits when
+    the job is loaded (jobs with the same limits share a prototype: the beat's slots of a
+    hundred thousand jobs built one each, a third of a slot's publication), else its id (not
+    a query per message)."""
+    if execution.job_id is None:
+        return (None,)
+    if not type(execution).job.is_cached(execution):
+        return ("job", execution.job_id)
+    job = execution.job
+    if job is None:
+        return (None,)
+    return ("limits", job.lease_seconds, job.soft_time_limit_seconds, job.time_limit_seconds)
 
 
 _NUMBERS = frozenset({int, float, bool, type(None)})
