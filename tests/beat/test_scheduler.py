@@ -547,6 +547,91 @@ def test_a_ticks_statements_do_not_grow_with_the_job_slots_it_publishes(
     assert len(queries) < 15, [q["sql"][:80] for q in queries]
 
 
+def owed_job(slug: str, *, last_run_ago: float | None) -> None:
+    """A job due every second; with ``last_run_ago``, run that long ago by django-celery-beat
+    (a first leader owes it the slots since, by ``run_once``: one), else never run (a first
+    leader starts it now: nothing owed)."""
+    every_second_job(slug)
+    if last_run_ago is not None:
+        PeriodicTask.objects.filter(name=f"job:{slug}").update(
+            last_run_at=timezone.now() - timedelta(seconds=last_run_ago)
+        )
+
+
+def test_a_new_entrys_cursor_is_written_after_the_first_batch_not_after_the_backlog(
+    schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first leader writes the cursors its load set once its first batch of slots is
+    committed: a leader that loses its lease in the middle of a backlog has written them (else
+    its successor would start the new entry where it stands, and the slots between would be
+    lost), and the first publication does not wait for them either."""
+    for i in range(3):
+        owed_job(f"owed-{i}", last_run_ago=10)
+    owed_job("fresh", last_run_ago=None)
+    with override_settings(TASKPLATFORM_BEAT_BATCH_SIZE=2):
+        leader = schedulers()
+    commits: list[int] = []
+    real_commit = leader._commit_batch
+
+    def commit_then_lose_the_lease(batch: Any, now: Any) -> None:
+        commits.append(len(batch))
+        if len(commits) == 2:
+            raise FencedOff("the lease was lost in the middle of the backlog")
+        real_commit(batch, now)
+
+    monkeypatch.setattr(leader, "_commit_batch", commit_then_lose_the_lease)
+    leader.tick()
+    assert len(commits) == 2, commits  # a first batch, then the lease lost
+    assert ScheduleCursor.objects.filter(name="job:fresh").exists()
+
+
+def test_a_lease_lost_while_cursors_are_written_keeps_the_table_warm(
+    schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Losing the lease while the new cursors are written steps the leader down with its
+    table built (a follower's warm table), not with an empty one to be loaded twice."""
+    owed_job("warm-kept", last_run_ago=None)
+    leader = schedulers()
+
+    def fenced(*args: Any, **kwargs: Any) -> None:
+        raise FencedOff("the lease was lost while the cursors were written")
+
+    monkeypatch.setattr(leader, "_write_cursors", fenced)
+    leader.tick()
+    assert leader.table is None and leader._warm is not None
+    assert "job:warm-kept" in leader._warm.entries
+    assert not leader._needs_full_load
+
+
+def test_the_collector_is_on_while_a_load_queries_and_after_it() -> None:
+    """A load pauses the garbage collector only while it turns rows into entries: not while
+    its queries run (a query stuck on a dead connection in a follower's warm-up would leave it
+    off for the whole process), and it is on again afterwards, however loads overlap."""
+    import gc
+
+    from taskplatform.scheduling import table as table_module
+
+    every_second_job("collected")
+    seen: list[bool] = []
+    real_read = table_module._read_rows
+
+    def read(query: Any, keep_alive: Any, then: Any = None) -> Any:
+        seen.append(gc.isenabled())
+        return real_read(query, keep_alive, then=lambda: (seen.append(gc.isenabled()), then and then()))
+
+    assert gc.isenabled()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(table_module, "_read_rows", read)
+        ScheduleTable(platform_settings(), celery_app).load(timezone.now(), first=True)
+    assert seen == [True, True], "the collector was off while the rows' query ran"
+    assert gc.isenabled()
+    with table_module._collector_paused():
+        with table_module._collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled(), "on again while a load still builds"
+    assert gc.isenabled()
+
+
 # --- a drop-in for django-celery-beat users -----------------------------------------------------
 
 

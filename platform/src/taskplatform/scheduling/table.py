@@ -11,8 +11,9 @@ import gc
 import heapq
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
@@ -316,17 +317,6 @@ class ScheduleTable:
         slots from that previous load on (it changed after it): an edit is not a misfire of
         the new schedule, and a slot due between the edit and this load is not lost.
         """
-        with _collector_paused():
-            return self._load(now, first=first, keep_alive=keep_alive, entries_only=entries_only)
-
-    def _load(
-        self,
-        now: datetime,
-        *,
-        first: bool,
-        keep_alive: Callable[[], None] | None,
-        entries_only: bool,
-    ) -> tuple[list[tuple[str, datetime]], list[str]]:
         if first:
             self.heap = []  # a leader's queue is its own: a former term's is stale
             self.cursors = {}
@@ -343,27 +333,74 @@ class ScheduleTable:
             n=Count("id"), last=Max("updated_at")
         )
         recent = {"job": (job_stamps["n"], job_stamps["last"])}
-        rows = _read_rows(PeriodicTask.objects.values(*_ROW_FIELDS, "date_changed", "last_run_at"), keep_alive)
-        recent["task"] = _latest(row["date_changed"] for row in rows if _at_or_after(row["date_changed"], since))
-        self._marks = None  # until this load has finished: a load cut short is not a baseline
-        changed_at = {row["name"]: row.pop("date_changed") for row in rows}  # not part of the digest
-        last_run = {row["name"]: row.pop("last_run_at") for row in rows}  # nor this (the leader writes it)
-        linked = {row["job__slug"] for row in rows if row["job__id"] is not None}
-        trigger_slugs = [
-            args[0]
-            for row in rows
-            if row["task"] == TRIGGER_TASK and row["job__id"] is None
-            for args in [_loads_safely(row["args"])]
-            if args and isinstance(args[0], str) and args[0] not in linked
-        ]
-        jobs_by_slug = {
-            job["slug"]: job for job in JobDefinition.objects.filter(slug__in=trigger_slugs).values(*_JOB_FIELDS)
-        }
         if first:
-            self.cursors = read_cursors()
-        # ``loaded_at`` moves on only once this load has finished: after a load cut short, the
-        # next one owes what it did not reach from the same moment as it would have.
-        since = self.loaded_at or now
+            self.cursors = read_cursors()  # before the rows: queries come before the pause below
+        # From the read's rows to the built entries, the garbage collector is paused: CPU work
+        # that allocates millions of objects and frees none (``_collector_paused``). The only
+        # queries inside are the lease renewals and, for plain trigger rows, their jobs.
+        with ExitStack() as paused:
+            rows = _read_rows(
+                PeriodicTask.objects.values(*_ROW_FIELDS, "date_changed", "last_run_at"),
+                keep_alive,
+                then=lambda: paused.enter_context(_collector_paused()),
+            )
+            recent["task"] = _latest(row["date_changed"] for row in rows if _at_or_after(row["date_changed"], since))
+            self._marks = None  # until this load has finished: a load cut short is not a baseline
+            changed_at = {row["name"]: row.pop("date_changed") for row in rows}  # not part of the digest
+            last_run = {row["name"]: row.pop("last_run_at") for row in rows}  # nor this (the leader writes it)
+            linked = {row["job__slug"] for row in rows if row["job__id"] is not None}
+            trigger_slugs = [
+                args[0]
+                for row in rows
+                if row["task"] == TRIGGER_TASK and row["job__id"] is None
+                for args in [_loads_safely(row["args"])]
+                if args and isinstance(args[0], str) and args[0] not in linked
+            ]
+            jobs_by_slug = {
+                job["slug"]: job for job in JobDefinition.objects.filter(slug__in=trigger_slugs).values(*_JOB_FIELDS)
+            }
+            # ``loaded_at`` moves on only once this load has finished: after a load cut short, the
+            # next one owes what it did not reach from the same moment as it would have.
+            since = self.loaded_at or now
+            resets, seen = self._build(
+                rows,
+                linked,
+                jobs_by_slug,
+                changed_at,
+                last_run,
+                now=now,
+                since=since,
+                first=first,
+                entries_only=entries_only,
+                keep_alive=keep_alive,
+            )
+        gone = [name for name in self.cursors if name not in seen]
+        for name in gone:
+            self.cursors.pop(name, None)
+        for name in [name for name in self.entries if name not in seen]:
+            self.entries.pop(name, None)
+        for name in [name for name in self.broken if name not in seen]:
+            self.broken.pop(name, None)
+        self._marks, self._recent, self._full_at = marks, recent, now
+        self._changed_at, self._last_run, self._seen = changed_at, last_run, seen
+        self.loaded_at = now
+        return resets, gone
+
+    def _build(
+        self,
+        rows: list[dict[str, Any]],
+        linked: set[str],
+        jobs_by_slug: dict[str, dict[str, Any]],
+        changed_at: dict[str, datetime | None],
+        last_run: dict[str, datetime | None],
+        *,
+        now: datetime,
+        since: datetime,
+        first: bool,
+        entries_only: bool,
+        keep_alive: Callable[[], None] | None,
+    ) -> tuple[list[tuple[str, datetime]], set[str]]:
+        """``load``'s entries from its rows: (cursors to set, the names seen)."""
         resets: list[tuple[str, datetime]] = []
         seen: set[str] = set()
         for index, row in enumerate(rows):
@@ -413,17 +450,7 @@ class ScheduleTable:
                 self.cursors[name] = start
                 resets.append((name, start))
             self._push(entry)
-        gone = [name for name in self.cursors if name not in seen]
-        for name in gone:
-            self.cursors.pop(name, None)
-        for name in [name for name in self.entries if name not in seen]:
-            self.entries.pop(name, None)
-        for name in [name for name in self.broken if name not in seen]:
-            self.broken.pop(name, None)
-        self._marks, self._recent, self._full_at = marks, recent, now
-        self._changed_at, self._last_run, self._seen = changed_at, last_run, seen
-        self.loaded_at = now
-        return resets, gone
+        return resets, seen
 
     def _resume(
         self, now: datetime, keep_alive: Callable[[], None] | None
@@ -529,22 +556,36 @@ def read_cursors() -> dict[str, datetime]:
     return {name: _EPOCH + timedelta(seconds=seconds, microseconds=micros) for name, seconds, micros in rows}
 
 
+#: Loads in progress with the collector paused, and whether it was on before the first.
+_paused = {"count": 0, "was_enabled": False}
+_paused_lock = threading.Lock()
+
+
 @contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a load builds its entries: a load of
-    100,000 entries allocates millions of objects, none of them garbage, and the collections
-    they set off took 1.5 s of its 5.3 s. Reference counting frees as usual meanwhile; the
-    collector is switched on again after (by the load that switched it off, if two overlap)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    """Python's cyclic garbage collector off while a load turns rows into entries (CPU work
+    only, no query but the lease renewals): a load of 100,000 entries allocates millions of
+    objects, none of them garbage, and the collections they set off took 1.5 s of its 5.3 s.
+    Reference counting frees as usual meanwhile. The switch is process-wide, so loads on two
+    threads (a follower's warm-up, a takeover) count: the last one out switches it on again,
+    if it was on before the first."""
+    with _paused_lock:
+        if _paused["count"] == 0:
+            _paused["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _paused["count"] += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _paused_lock:
+            _paused["count"] -= 1
+            if _paused["count"] == 0 and _paused["was_enabled"]:
+                gc.enable()
 
 
-def _read_rows(query: Any, keep_alive: Callable[[], None] | None) -> list[dict[str, Any]]:
+def _read_rows(
+    query: Any, keep_alive: Callable[[], None] | None, then: Callable[[], Any] = lambda: None
+) -> list[dict[str, Any]]:
     """The rows of a ``values()`` query, with ``keep_alive`` called every ``KEEP_ALIVE_EVERY``
     rows read: at 100,000 entries the read alone can outlast a lease on a busy host.
 
@@ -553,9 +594,11 @@ def _read_rows(query: Any, keep_alive: Callable[[], None] | None) -> list[dict[s
     psycopg's C implementation and took three quarters of the read (4 s at 100,000 entries,
     of which 3 s parsing time stamps). Both return the same instants; the schedule code reads
     only instants and the text of the other columns (django-timezone-field's zone objects come
-    back as their names, which ``build_schedule`` uses)."""
+    back as their names, which ``build_schedule`` uses). ``then`` is called once the query has
+    run, before its rows are converted."""
     if connection.vendor != "postgresql":
         rows = []
+        then()
         for index, row in enumerate(query.iterator(chunk_size=KEEP_ALIVE_EVERY)):
             if keep_alive is not None and index % KEEP_ALIVE_EVERY == 0:
                 keep_alive()
@@ -569,6 +612,7 @@ def _read_rows(query: Any, keep_alive: Callable[[], None] | None) -> list[dict[s
     with connection.cursor() as cursor:
         cursor.cursor.adapters.register_loader("timestamptz", TimestamptzLoader)  # this cursor only
         cursor.execute(sql, params)
+        then()
         while chunk := cursor.fetchmany(KEEP_ALIVE_EVERY):
             if keep_alive is not None:
                 keep_alive()
