@@ -179,9 +179,6 @@ class LockedScheduler(DatabaseScheduler):
         self._last_heartbeat = float("-inf")
         self._reported_leading = False
         self._needs_full_load = False
-        #: Cursors the last sync set, and dropped, not written yet (``_write_resets``).
-        self._resets: list[tuple[str, datetime]] = []
-        self._gone: list[str] = []
         self._started_at = timezone.now()
         #: The database's clock: slots are due by it, not by this host's (``scheduling.clock``).
         self.clock = DatabaseClock()
@@ -270,7 +267,6 @@ class LockedScheduler(DatabaseScheduler):
             elif started - self._table_synced_at >= self.conf.beat_sync_seconds:
                 self._sync_table(now, first=False)
             self._publish_due(now)
-            self._write_resets()
         except FencedOff as exc:
             log.error("beat %s stops publishing: %s", self.identity, exc)
             self.stats.fenced += 1
@@ -351,7 +347,6 @@ class LockedScheduler(DatabaseScheduler):
         assert lease is not None
         try:
             take_over_fence(self.conf.beat_lock_name, lease, self._still_holds)
-            self._resets, self._gone = [], []
             self._needs_full_load = False  # a former term's: this takeover loads in full below
             self.table = self._stop_warm_up(renewing=True) or ScheduleTable(self.conf, self.app)
             self.clock.measure(self.conf.beat_lock_name)
@@ -359,6 +354,8 @@ class LockedScheduler(DatabaseScheduler):
         except FencedOff as exc:
             log.error("beat %s cannot lead: %s", self.identity, exc)
             self.leadership.abdicate()
+            with self._warm_lock:  # built as far as it got: warm for the next takeover
+                self._warm, self.table = self.table, None
             return False
         except Exception:
             log.exception("beat %s could not take over the schedule; releasing the lease", self.identity)
@@ -456,7 +453,6 @@ class LockedScheduler(DatabaseScheduler):
 
     def _step_down(self) -> None:
         self._leading = False
-        self._resets, self._gone = [], []  # this term's: a later one reads the cursors afresh
         with self._warm_lock:  # its entries are current: a follower's warm table (the rest is reset at takeover)
             self._warm, self.table = self.table, None
         self._record_runs()
@@ -523,31 +519,14 @@ class LockedScheduler(DatabaseScheduler):
         self._runs[name] = (max(last, known[0]), count + known[1]) if known else (last, count)
 
     def _sync_table(self, now: datetime, *, first: bool) -> None:
-        """Re-read the schedule; the cursors it sets or drops are written by ``_write_resets``,
-        after the tick's first batch of slots (or after the tick, if none is due): at a first
-        start on 100,000 entries, writing their cursors took 2 s that the first publication no
-        longer waits for."""
+        """Re-read the schedule and write the cursors it sets or drops, before any publication
+        from it: a successor must find them (a first start on 100,000 entries writes 100,000,
+        about 1.3 s). Deferring them past the first batch was measured and rejected: the kill of a
+        leader just after its first publication lost 1,056 slots of the failover benchmark."""
         assert self.table is not None
-        self._write_resets()  # a former sync's, if its tick stopped before writing them
         self._record_runs()
         resets, gone = self.table.load(now, first=first, keep_alive=self._keep_alive)
         self._table_synced_at = time.monotonic()
-        self._resets, self._gone = resets, gone
-
-    def _write_resets(self) -> None:
-        """Write the cursors the last sync set and delete those it dropped.
-
-        Until then they are the table's alone, as they were while they were written: a
-        takeover meanwhile starts such an entry where a new leader starts one without a cursor
-        (``ScheduleTable._unseen_since``); the window is one batch of slots longer than when
-        they were written before publishing. An entry published since the sync had its cursor
-        written with its slots: its reset is stale and is skipped, never written over it."""
-        if self.table is None or not (self._resets or self._gone):
-            return
-        cursors = self.table.cursors
-        resets = [(name, start) for name, start in self._resets if cursors.get(name) == start]
-        gone = self._gone
-        self._resets, self._gone = [], []
         try:
             # In chunks, each in a transaction of its own behind a fresh renewal and the fence:
             # a cursor written alone is as valid as one written with all the others.
@@ -568,7 +547,7 @@ class LockedScheduler(DatabaseScheduler):
                     check_fence(self.conf.beat_lock_name, lease)
                     ScheduleCursor.objects.filter(name__in=gone[start : start + CURSOR_CHUNK]).delete()
         except FencedOff:
-            raise  # the leader steps down (``_tick``) and keeps its table warm, built as it is
+            raise  # the leader steps down and keeps its table warm, built as it is
         except Exception:
             # The table already holds the new cursors; the database may not. Start over from
             # the database on the next tick rather than carry on with the two disagreeing.
@@ -635,7 +614,6 @@ class LockedScheduler(DatabaseScheduler):
                 if slots_in_batch >= self.conf.beat_batch_size:
                     self._commit_batch(batch, now)
                     batch, slots_in_batch = [], 0
-                    self._write_resets()  # after the first batch: not after a whole backlog
             if batch:
                 self._commit_batch(batch, now)
                 batch = []
