@@ -30,6 +30,7 @@ it holds the maintenance lease (which a worker may hold instead), the rescuer ev
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import signal
@@ -155,6 +156,30 @@ class TickStats:
 _banner_identity: str | None = None
 
 
+_frozen_lock = threading.Lock()
+
+
+def freeze_after_load(table: ScheduleTable) -> None:
+    """After a full load of the schedule, collect the garbage and freeze what is left
+    (``gc.freeze``): the entries live until the next load that changes them, and the collector
+    no longer walks them. At 100,000 entries each full collection walked half a million objects
+    for 0.3-0.6 s, a pause of the tick thread in the middle of publication (lateness); frozen,
+    the collections of the 40 s after a start-up took 0.06 s in all instead of 0.78 s.
+
+    Called after the tick's publication (not before the first one) and at the end of a
+    follower's warm-up, once per full load. Frozen objects are still freed by reference
+    counting: an entry a later load replaces goes (entries hold no reference cycles); only an
+    object in a reference cycle that was alive at a freeze and is dropped later is not
+    reclaimed (the collection before each freeze takes what was garbage then)."""
+    loaded_at = table.full_load_at
+    with _frozen_lock:
+        if loaded_at is None or table.frozen_for == loaded_at:
+            return
+        table.frozen_for = loaded_at
+        gc.collect()
+        gc.freeze()
+
+
 class LockedScheduler(DatabaseScheduler):
     """django-celery-beat's ``DatabaseScheduler`` with a leader lease and slot-keyed publication."""
 
@@ -267,6 +292,7 @@ class LockedScheduler(DatabaseScheduler):
             elif started - self._table_synced_at >= self.conf.beat_sync_seconds:
                 self._sync_table(now, first=False)
             self._publish_due(now)
+            freeze_after_load(self.table)
         except FencedOff as exc:
             log.error("beat %s stops publishing: %s", self.identity, exc)
             self.stats.fenced += 1
@@ -397,6 +423,7 @@ class LockedScheduler(DatabaseScheduler):
             # By the database's clock, as the leader's loads: the change check compares stamps.
             self.clock.measure(self.conf.beat_lock_name)
             table.load(self.clock.now(), first=False, keep_alive=keep_going, entries_only=True)
+            freeze_after_load(table)
             with self._warm_lock:
                 if not stop.is_set():  # not after a takeover gave up waiting for it
                     self._warm = table

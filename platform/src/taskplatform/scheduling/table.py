@@ -223,6 +223,13 @@ class ScheduleTable:
         self._changed_at: dict[str, datetime | None] = {}
         self._last_run: dict[str, datetime | None] = {}
         self._seen: set[str] = set()
+        #: The full load after which the process's objects were frozen (``freeze_after_load``).
+        self.frozen_for: datetime | None = None
+
+    @property
+    def full_load_at(self) -> datetime | None:
+        """When the last full load (every row read) finished, None before the first."""
+        return self._full_at
 
     def unchanged(self, now: datetime) -> bool:
         """True when nothing in the schedule tables changed since the last full load, so a
