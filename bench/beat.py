@@ -190,8 +190,7 @@ def lateness_of_ledger(since: datetime) -> dict[str, float]:
     """Publication lateness (``created_at - scheduled_for``) of the slots published from
     ``since`` on (the end of the start-up), as earlier runs reported it; and ``due_*``: of the
     slots due from ``since`` on. The two differ by the start-up's tail: slots due during the
-    start-up that a later tick published (a first start writes the new entries' cursors after
-    its first batch, and the slots due meanwhile go out with the next tick)."""
+    start-up's first tick that a later tick published."""
     from django.db import connection
 
     result: dict[str, float] = {}
@@ -231,8 +230,8 @@ def run_load(kind: str, n: int, seconds: float, mix: bool = False, through: floa
     scheduler = build(kind)
     interval = scheduler.tick()
     startup = time.perf_counter() - t0
-    # LockedScheduler: from construction to its first committed batch of slots (the first tick
-    # goes on to write the cursors of entries that had none, after publishing).
+    # LockedScheduler: from construction to its first committed batch of slots (the rest of the
+    # first tick publishes the other batches of its backlog).
     first_at = getattr(getattr(scheduler, "stats", None), "first_published_at", None)
     published_at_start = published()
     started_wall = datetime.now(UTC)

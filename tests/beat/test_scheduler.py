@@ -609,31 +609,89 @@ def test_a_lease_lost_while_cursors_are_written_keeps_the_table_warm(
 
 def test_the_collector_is_on_while_a_load_queries_and_after_it() -> None:
     """A load pauses the garbage collector only while it turns rows into entries: not while
-    its queries run (a query stuck on a dead connection in a follower's warm-up would leave it
-    off for the whole process), and it is on again afterwards, however loads overlap."""
-    import gc
+    any of its queries runs (a query stuck on a dead connection or a lock in a follower's
+    warm-up would leave it off for the whole process), plain trigger rows' job lookup
+    included, and it is on again afterwards, however loads overlap."""
+    from django.db import connection
 
     from taskplatform.scheduling import table as table_module
 
     every_second_job("collected")
-    seen: list[bool] = []
-    real_read = table_module._read_rows
+    JobDefinition.objects.create(slug="by-trigger", task="testapp.effect")
+    interval = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(name="plain-trigger", task="taskplatform.trigger_job", args='["by-trigger"]',
+                                interval=interval)  # fmt: skip
+    on_during: list[tuple[bool, str]] = []
 
-    def read(query: Any, keep_alive: Any, then: Any = None) -> Any:
-        seen.append(gc.isenabled())
-        return real_read(query, keep_alive, then=lambda: (seen.append(gc.isenabled()), then and then()))
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        on_during.append((gc.isenabled(), sql[:60]))
+        return execute(sql, params, many, context)
 
     assert gc.isenabled()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(table_module, "_read_rows", read)
-        ScheduleTable(platform_settings(), celery_app).load(timezone.now(), first=True)
-    assert seen == [True, True], "the collector was off while the rows' query ran"
+    table = ScheduleTable(platform_settings(), celery_app)
+    with connection.execute_wrapper(record):
+        table.load(timezone.now(), first=True)
+    assert "plain-trigger" in table.entries and table.entries["plain-trigger"].kind == "job"
+    assert any("jobdefinition" in sql for _on, sql in on_during), on_during
+    assert all(on for on, _sql in on_during), [sql for on, sql in on_during if not on]
     assert gc.isenabled()
     with table_module._collector_paused():
         with table_module._collector_paused():
             assert not gc.isenabled()
         assert not gc.isenabled(), "on again while a load still builds"
     assert gc.isenabled()
+
+
+def test_cursor_writes_refuse_a_transaction_marked_for_rollback(schedulers: Callable[[], LockedScheduler]) -> None:
+    """Cursors are written on psycopg's own cursor where it may be: Django's checks still run
+    first, so a write in a transaction already marked for rollback fails instead of vanishing
+    with the rollback."""
+    from django.db import transaction
+    from django.db.transaction import TransactionManagementError
+
+    leader = schedulers()
+    with pytest.raises(TransactionManagementError), transaction.atomic():
+        transaction.set_rollback(True)
+        leader._write_cursors([("job:refused", timezone.now())], 1)
+    assert not ScheduleCursor.objects.filter(name="job:refused").exists()
+
+
+def test_the_beat_works_through_djangos_cursor_where_psycopgs_own_cannot_be_used(
+    schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without psycopg 3 (psycopg2), the schedule's rows and the cursors go through Django's
+    cursor: a first start loads, writes its cursors and publishes."""
+    from django.db.backends.postgresql import psycopg_any
+
+    monkeypatch.setattr(psycopg_any, "is_psycopg3", False)
+    every_second_job("through-django")
+    leader = schedulers()
+    run_beat(leader, seconds=2.2)
+    assert ScheduleCursor.objects.filter(name="job:through-django").exists()
+    assert keys("through-django")
+
+
+def test_a_takeover_fenced_off_before_it_loads_keeps_the_followers_warm_table(
+    schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A takeover refused by the fence before it had a table leaves the warm table built."""
+    from taskplatform.scheduling import scheduler as scheduler_module
+
+    every_second_job("stays-warm")
+    leader = schedulers()
+    follower = schedulers()
+    run_beat(leader, seconds=0.6)
+    assert wait_for(lambda: (follower.tick(), follower._warm is not None and follower._warm.loaded_at)[1], timeout=10)
+    warm = follower._warm
+    leader.close()
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise FencedOff("another leader took the fence first")
+
+    monkeypatch.setattr(scheduler_module, "take_over_fence", refused)
+    assert wait_for(lambda: (follower.tick(), follower.leadership.lease is None and follower.stats.ticks > 3)[1],
+                    timeout=10)  # fmt: skip
+    assert follower.table is None and follower._warm is warm
 
 
 def test_a_full_load_is_frozen_out_of_the_collectors_way_and_a_replaced_entry_still_goes(

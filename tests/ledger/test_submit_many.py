@@ -413,19 +413,32 @@ def test_jobs_share_a_message_prototype_only_when_their_limits_are_the_same(brok
     """A batch builds one message prototype per task, queue, priority and the job's lease and
     time limits (the beat's slots of many jobs with the same limits share one): each message
     still carries its own job's limits, whether the job came loaded with its execution or not."""
+    from taskplatform.core import publisher as publisher_module
     from taskplatform.core.publisher import publish_many
 
-    limits = [(7, 5, 9), (7, 5, 9), (30, None, 60), (None, None, None)]
+    limits = [(7, 5, 9), (7, 5, 9), (7, 5, 9), (30, None, 60), (None, None, None)]
     jobs = []
     for n, (lease, soft, hard) in enumerate(limits):
         fields = {"lease_seconds": lease, "soft_time_limit_seconds": soft, "time_limit_seconds": hard}
         jobs.append(JobDefinition.objects.create(slug=f"shape-{n}", task=EFFECT, queue=broker.name, **fields))
     executions = [submit(job, args=[n], on_commit=False) for n, job in enumerate(jobs)]
-    fresh = Execution.objects.get(pk=executions[2].pk)  # its job not loaded: read when its message is built
+    fresh = Execution.objects.get(pk=executions[3].pk)  # its job not loaded: read when its message is built
     assert not Execution.job.is_cached(fresh)
     broker.clear()
     batch = [*executions, fresh]
-    assert publish_many([(execution, f"task-{n}", None) for n, execution in enumerate(batch)])
+    built: list[int] = []
+    real_prototype = publisher_module._BatchSender._prototype
+
+    def prototype(self: Any, execution: Execution) -> Any:
+        built.append(execution.pk)
+        return real_prototype(self, execution)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(publisher_module._BatchSender, "_prototype", prototype)
+        assert publish_many([(execution, f"task-{n}", None) for n, execution in enumerate(batch)])
+    # One for the three jobs with limits (7, 5, 9), one for each other limits, one for the
+    # execution whose job was not loaded (keyed by its job's id): 4 for 6 messages.
+    assert len(built) == 4, built
     sent = {m["headers"]["id"]: m["headers"] for m in broker.messages()}
     for n, execution in enumerate(batch):
         lease, soft, hard = limits[jobs.index(execution.job)]

@@ -25,7 +25,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connection, connections, transaction
 from django.db.models import DateTimeField, DurationField, ExpressionWrapper, Q, Value
 from django.utils import timezone
 
@@ -47,6 +47,15 @@ log = logging.getLogger("taskplatform.ledger")
 #: so a punctual message is not turned away. A fence (see ``operator_transition``) gets no
 #: tolerance: it protects G2.
 EARLY_TOLERANCE = timedelta(seconds=1)
+
+
+def server_binding_allowed() -> bool:
+    """Whether a statement may run on psycopg's own cursor (parameters bound by the server,
+    arrays in binary) on this thread's connection: psycopg 3, Django's own backend, no query
+    log nor execute wrapper watching (``_pg._raw_cursor_allowed``)."""
+    db = connections[DEFAULT_DB_ALIAS]
+    db.ensure_connection()
+    return db.vendor == "postgresql" and fastpath._raw_cursor_allowed(db)
 
 
 def _db_now(plus: timedelta | None = None) -> Any:

@@ -380,18 +380,26 @@ class LockedScheduler(DatabaseScheduler):
         except FencedOff as exc:
             log.error("beat %s cannot lead: %s", self.identity, exc)
             self.leadership.abdicate()
-            with self._warm_lock:  # built as far as it got: warm for the next takeover
-                self._warm, self.table = self.table, None
+            self._keep_warm()
             return False
         except Exception:
             log.exception("beat %s could not take over the schedule; releasing the lease", self.identity)
             self.leadership.release()
             close_old_connections()
+            self._keep_warm()
             return False
         self._leading = True
         self._maintenance = Maintenance(self.conf, is_leading=self.leadership.may_publish)
         self._maintenance.start()
         return True
+
+    def _keep_warm(self) -> None:
+        """After a takeover that did not happen: the table it had built (or was handed), if it
+        holds entries, is the follower's warm table again; a follower has no ``table``."""
+        with self._warm_lock:
+            if self.table is not None and self.table.entries:
+                self._warm = self.table
+            self.table = None
 
     def _warm_up(self) -> None:
         """On a follower, every ``beat_sync_seconds``: bring the warm table up to date in a
@@ -585,19 +593,22 @@ class LockedScheduler(DatabaseScheduler):
     def _write_cursors(self, cursors: list[tuple[str, datetime]], token: int) -> None:
         """Upsert ``(name, last slot)`` cursors under ``token``."""
         if connection.vendor == "postgresql":
-            # One statement, the values as two array parameters, in binary (a server-binding
-            # cursor: Django's own binds on the client, as text): the ORM's upsert of 1,000
-            # rows (placeholders for each) made writing 100,000 first cursors take about 4 s;
-            # building the model instances alone took 1.5 s, and the text arrays 0.9 s of CPU
-            # against 0.15 s (measured with 10,000 a statement).
-            from psycopg import Cursor  # PostgreSQL only: an optional dependency
+            # One statement, the values as two array parameters: the ORM's upsert of 1,000
+            # rows (placeholders for each) made writing 100,000 first cursors take about 4 s,
+            # and building the model instances alone 1.5 s. On psycopg's own cursor where it
+            # may be used, so that the arrays go in binary (Django's binds on the client, as
+            # text: 0.9 s of CPU per 100,000 against 0.15 s), with Django's checks first (a
+            # transaction marked for rollback must refuse the write) and Django's errors.
+            params: list[Any] = [token, timezone.now(), [name for name, _s in cursors], [slot for _n, slot in cursors]]
+            if ledger.server_binding_allowed():
+                from psycopg import Cursor  # psycopg 3: checked above
 
-            connection.ensure_connection()
-            with Cursor(connection.connection) as db:
-                db.execute(
-                    _WRITE_CURSORS_SQL,
-                    [token, timezone.now(), [name for name, _slot in cursors], [slot for _name, slot in cursors]],
-                )
+                connection.validate_no_broken_transaction()
+                with connection.wrap_database_errors, Cursor(connection.connection) as db:
+                    db.execute(_WRITE_CURSORS_SQL, params)
+            else:
+                with connection.cursor() as db:
+                    db.execute(_WRITE_CURSORS_SQL.replace("%b", "%s"), params)
             return
         rows = [ScheduleCursor(name=name, last_slot=slot, fencing_token=token) for name, slot in cursors]
         # MySQL/MariaDB upsert on any unique key and refuse a conflict target.

@@ -343,8 +343,8 @@ class ScheduleTable:
         if first:
             self.cursors = read_cursors()  # before the rows: queries come before the pause below
         # From the read's rows to the built entries, the garbage collector is paused: CPU work
-        # that allocates millions of objects and frees none (``_collector_paused``). The only
-        # queries inside are the lease renewals and, for plain trigger rows, their jobs.
+        # that allocates millions of objects and frees none (``_collector_paused``). No query
+        # runs inside but the lease renewals.
         with ExitStack() as paused:
             rows = _read_rows(
                 PeriodicTask.objects.values(*_ROW_FIELDS, "date_changed", "last_run_at"),
@@ -363,9 +363,12 @@ class ScheduleTable:
                 for args in [_loads_safely(row["args"])]
                 if args and isinstance(args[0], str) and args[0] not in linked
             ]
-            jobs_by_slug = {
-                job["slug"]: job for job in JobDefinition.objects.filter(slug__in=trigger_slugs).values(*_JOB_FIELDS)
-            }
+            jobs_by_slug: dict[str, dict[str, Any]] = {}
+            if trigger_slugs:  # plain trigger rows: their jobs, queried with the collector on
+                paused.close()
+                jobs = JobDefinition.objects.filter(slug__in=trigger_slugs).values(*_JOB_FIELDS)
+                jobs_by_slug = {job["slug"]: job for job in jobs}
+                paused.enter_context(_collector_paused())
             # ``loaded_at`` moves on only once this load has finished: after a load cut short, the
             # next one owes what it did not reach from the same moment as it would have.
             since = self.loaded_at or now
@@ -603,13 +606,16 @@ def _read_rows(
     only instants and the text of the other columns (django-timezone-field's zone objects come
     back as their names, which ``build_schedule`` uses). ``then`` is called once the query has
     run, before its rows are converted."""
-    if connection.vendor != "postgresql":
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+    if connection.vendor != "postgresql" or not is_psycopg3:
+        # Django's own read, which fetches as it goes: the pause starts once every row is here.
         rows = []
-        then()
         for index, row in enumerate(query.iterator(chunk_size=KEEP_ALIVE_EVERY)):
             if keep_alive is not None and index % KEEP_ALIVE_EVERY == 0:
                 keep_alive()
             rows.append(row)
+        then()
         return rows
     from psycopg.types.datetime import TimestamptzLoader  # PostgreSQL only: an optional dependency
 
