@@ -71,6 +71,15 @@ def schedulers() -> Iterator[Callable[[], LockedScheduler]]:
     gc.unfreeze()  # what a leader froze after its loads: the test process goes on
 
 
+def only_on_postgresql(why: str) -> None:
+    """Skip on SQLite and MariaDB a test whose subject is PostgreSQL's or the database's no
+    matter (the portable suites run the rest: their time is CI's)."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip(why)
+
+
 def run_beat(*schedulers: LockedScheduler, seconds: float) -> None:
     """Run the schedulers' own loops, interleaved, for ``seconds`` of wall time."""
     deadline = time.monotonic() + seconds
@@ -528,6 +537,7 @@ def test_a_ticks_statements_do_not_grow_with_the_job_slots_it_publishes(
 ) -> None:
     """A tick reads the jobs of its slots in one query, without the columns publication never
     reads (``_UNPUBLISHED_JOB_FIELDS``): one of them read after all would cost a query per job."""
+    only_on_postgresql("the job columns read do not depend on the database: run once, on PostgreSQL")
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
@@ -661,6 +671,7 @@ def test_the_beat_works_through_djangos_cursor_where_psycopgs_own_cannot_be_used
 ) -> None:
     """Without psycopg 3 (psycopg2), the schedule's rows and the cursors go through Django's
     cursor: a first start loads, writes its cursors and publishes."""
+    only_on_postgresql("psycopg's own cursor exists on PostgreSQL only")
     from django.db.backends.postgresql import psycopg_any
 
     monkeypatch.setattr(psycopg_any, "is_psycopg3", False)
@@ -675,6 +686,7 @@ def test_a_takeover_fenced_off_before_it_loads_keeps_the_followers_warm_table(
     schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A takeover refused by the fence before it had a table leaves the warm table built."""
+    only_on_postgresql("the warm table's hand-over does not depend on the database: run once, on PostgreSQL")
     from taskplatform.scheduling import scheduler as scheduler_module
 
     every_second_job("stays-warm")
@@ -700,6 +712,7 @@ def test_a_full_load_is_frozen_out_of_the_collectors_way_and_a_replaced_entry_st
     """After a full load the leader freezes the process's objects (``gc.freeze``), so that the
     collector's full passes no longer walk the table (at 100,000 entries each took 0.3-0.6 s of
     the tick thread); an entry replaced by a later load is still freed (reference counting)."""
+    only_on_postgresql("the freeze does not depend on the database: run once, on PostgreSQL")
     import weakref
 
     job = every_second_job("frozen")
