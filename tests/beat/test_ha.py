@@ -89,20 +89,29 @@ def broker_messages(queue: str | None = None) -> Counter[str]:
     return counts
 
 
-def assert_published_once(beats: BeatFactory, *, may_lose_one: bool = False) -> Counter[str]:
+def assert_published_once(beats: BeatFactory, *, killed_at: datetime | None = None) -> Counter[str]:
     """Stop the beats, then: every slot on the broker has exactly one message, and every
     execution has its message.
 
-    ``may_lose_one``: a leader killed between its commit and its publication leaves one row
-    without a message; the rescuer publishes it later (G1), outside this test's time.
+    ``killed_at``: a leader SIGKILLed then, between a commit and its publication, leaves that
+    commit's rows without messages; the rescuer publishes them later (G1), outside this
+    test's time. Only that: rows committed before the kill, in one batch (one slot a tick,
+    or a few when the leader had fallen behind on a loaded host: CI lost four of a stalled
+    leader's once). A row committed after the kill without its message fails.
     """
     beats.stop_all()
     counts = broker_messages()
     doubled = {slot: n for slot, n in counts.items() if n != 1}
     assert not doubled, f"slot(s) published to the broker more than once: {doubled}"
-    rows = set(Execution.objects.values_list("idempotency_key", flat=True))
-    unpublished = rows - set(counts)
-    assert len(unpublished) <= (1 if may_lose_one else 0), f"execution(s) never published: {sorted(unpublished)}"
+    rows = dict(Execution.objects.values_list("idempotency_key", "created_at"))
+    unpublished = {key: created for key, created in rows.items() if key not in counts}
+    if not unpublished:
+        return counts
+    found = ", ".join(f"{key} (created {created:%H:%M:%S.%f})" for key, created in sorted(unpublished.items()))
+    assert killed_at is not None, f"execution(s) never published: {found}"
+    times = sorted(unpublished.values())
+    assert times[-1] <= killed_at, f"execution(s) committed after the kill at {killed_at:%H:%M:%S.%f} never published: {found}"
+    assert times[-1] - times[0] < SECOND, f"more than the killed leader's last commit never published: {found}"
     return counts
 
 
@@ -206,7 +215,7 @@ def test_sigkill_of_the_leader_fails_over_within_ten_seconds_with_no_slot_lost(
     wait_until(timezone.now() + 2 * SECOND, "slots after the failover")
     now = timezone.now().replace(microsecond=0) - SECOND
     assert_every_slot_once(slots_of(job), first, now)
-    counts = assert_published_once(beats, may_lose_one=True)
+    counts = assert_published_once(beats, killed_at=killed_at)
     figures.record(**slot_tally(job, first, now, counts), failover_s=failover)
 
 
