@@ -110,7 +110,9 @@ def assert_published_once(beats: BeatFactory, *, killed_at: datetime | None = No
     found = ", ".join(f"{key} (created {created:%H:%M:%S.%f})" for key, created in sorted(unpublished.items()))
     assert killed_at is not None, f"execution(s) never published: {found}"
     times = sorted(unpublished.values())
-    assert times[-1] <= killed_at, f"execution(s) committed after the kill at {killed_at:%H:%M:%S.%f} never published: {found}"
+    assert times[-1] <= killed_at, (
+        f"execution(s) committed after the kill at {killed_at:%H:%M:%S.%f} never published: {found}"
+    )
     assert times[-1] - times[0] < SECOND, f"more than the killed leader's last commit never published: {found}"
     return counts
 

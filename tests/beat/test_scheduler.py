@@ -418,9 +418,11 @@ def test_a_removed_schedule_loses_its_cursor_and_starts_afresh_when_it_returns(
     assert all(slot >= readded_at - timedelta(seconds=1.6) for slot in slots), slots
 
 
-#: Entries enough that loading the schedule takes longer than the (scaled-down) lease
-#: (issue 10: 100,000 jobs never published with the default 6 s lease).
-BIG_SCHEDULE = 40_000
+#: Crontab entries in a zone, enough that loading the schedule takes longer than the
+#: (scaled-down) lease (issue 10: 100,000 jobs never published with the default 6 s lease).
+#: Issue 13 made loads faster: 40,000 hourly intervals took 0.53 s on PostgreSQL, 40,000 of
+#: these 0.82 s, under the 0.9 s lease.
+BIG_SCHEDULE = 60_000
 
 
 def test_a_first_load_longer_than_the_lease_does_not_cost_the_leadership(
@@ -430,9 +432,12 @@ def test_a_first_load_longer_than_the_lease_does_not_cost_the_leadership(
     when that outlasts the lease, it must keep the lease alive meanwhile, or every leader
     loses it before publishing anything, again and again."""
     every_second_job("after-a-long-load")
-    hourly = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.HOURS)
+    every_two_hours = CrontabSchedule.objects.create(minute="7", hour="*/2", timezone="Europe/Paris")
     PeriodicTask.objects.bulk_create(
-        [PeriodicTask(name=f"bulk-{i:05d}", task="testapp.effect", interval=hourly) for i in range(BIG_SCHEDULE)],
+        [
+            PeriodicTask(name=f"bulk-{i:05d}", task="testapp.effect", crontab=every_two_hours)
+            for i in range(BIG_SCHEDULE)
+        ],
         batch_size=2000,
     )
     # The premise, measured on this machine: loading the schedule alone outlasts the lease.
