@@ -293,6 +293,21 @@ def test_close_releases_the_lease_so_a_follower_takes_over_at_once(
     assert follower.leadership.lease is not None
 
 
+def test_a_closed_scheduler_ends_beats_loop_and_never_leads_again(schedulers: Callable[[], LockedScheduler]) -> None:
+    """``celery beat``'s signal handler closes the scheduler and raises ``SystemExit`` where
+    the main thread is; in a commit, Django's clean-up replaced it with a database error the
+    tick handled as an outage, and the closed beat led again and never exited. Any tick after
+    ``close()`` ends the loop instead (the signal test shows it with real signals, 1 run in 10)."""
+    every_second_job("closing")
+    leader = schedulers()
+    run_beat(leader, seconds=0.6)
+    assert leader.leadership.lease is not None
+    leader.close()
+    with pytest.raises(SystemExit):
+        leader.tick()
+    assert get_lock_backend().inspect(leader.conf.beat_lock_name).owner is None  # type: ignore[union-attr]
+
+
 def test_the_leader_runs_the_rescuer_and_prunes_the_ledger(schedulers: Callable[[], LockedScheduler]) -> None:
     now = timezone.now()
     expired = Execution.objects.create(

@@ -21,12 +21,14 @@ pytestmark = [pytest.mark.worker]
 
 
 def stacks(pid: int) -> str:
-    """The hung process's threads (py-spy, from the test requirements), for the failure message."""
+    """The hung process's threads (py-spy, from the bench requirements), for the failure message."""
     import shutil
     import sys
     from pathlib import Path
 
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        return "(no stacks: py-spy is not installed; make .venv/.installed-bench installs it)"
     result = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30, check=False)
     return result.stdout + result.stderr
 
