@@ -13,9 +13,10 @@ import gc
 import itertools
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from io import StringIO
 from typing import Any
 
@@ -474,8 +475,12 @@ def test_a_first_load_longer_than_the_lease_does_not_cost_the_leadership(
         deadline = time.monotonic() + budget
         while not keys("after-a-long-load") and time.monotonic() < deadline:
             run_beat(a, b, seconds=1.0)
-    assert keys("after-a-long-load"), f"none in {budget:.0f} s (load {load_seconds:.1f} s, lease {lease:.2f} s)"
+        assert keys("after-a-long-load"), f"none in {budget:.0f} s (load {load_seconds:.1f} s, lease {lease:.2f} s)"
+        # Then the cursors the load set, a share a tick after the publications (``_write_unwritten``).
+        while ScheduleCursor.objects.count() < BIG_SCHEDULE + 1 and time.monotonic() < deadline + budget:
+            run_beat(a, b, seconds=1.0)
     assert ScheduleCursor.objects.count() == BIG_SCHEDULE + 1
+    assert SchedulerFence.objects.get().cursors_owed_from is None
     assert sum(s.stats.fenced for s in (a, b)) == 0
 
 
@@ -590,32 +595,144 @@ def owed_job(slug: str, *, last_run_ago: float | None) -> None:
         )
 
 
-def test_a_new_entrys_cursor_is_written_before_the_first_publication(
-    schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A leader writes the cursors its load set before it publishes anything: one that loses
-    its lease (or is killed) right after its first batch has written them, so its successor
-    owes a new entry its slots from where this leader started it. (Deferring the writes past
-    the first batch, to publish sooner, lost 1,056 slots of the 100,000-job failover benchmark,
-    whose kill follows the first publication.)"""
-    for i in range(3):
-        owed_job(f"owed-{i}", last_run_ago=10)
-    owed_job("fresh", last_run_ago=None)
-    with override_settings(TASKPLATFORM_BEAT_BATCH_SIZE=2):
-        leader = schedulers()
-    written_at_commit: list[bool] = []
-    real_commit = leader._commit_batch
+def lapse(scheduler: LockedScheduler) -> None:
+    """The leader stops leading as a SIGKILL would stop it: no ``close()`` (nothing more is
+    written), only its lease freed (a killed leader's runs out) and it is never ticked again."""
+    lease = scheduler.leadership.lease
+    assert lease is not None and scheduler.leadership.backend.release(lease)
 
-    def commit_then_lose_the_lease(batch: Any, now: Any) -> None:
-        written_at_commit.append(ScheduleCursor.objects.filter(name="job:fresh").exists())
-        if len(written_at_commit) == 2:
-            raise FencedOff("the lease was lost in the middle of the backlog")
+
+def let_time_pass(seconds: float) -> None:
+    """Wall time in which nothing publishes (the scenario needs it: slots come due meanwhile)."""
+    moment = timezone.now() + timedelta(seconds=seconds)
+    wait_for(lambda: timezone.now() >= moment, timeout=seconds + 5, interval=0.05, what="the time to pass")
+
+
+def no_unwritten_cursors_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leaders write none of their first load's cursors: each is killed, as it were, right
+    after its first publication."""
+    from taskplatform.scheduling import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "UNWRITTEN_PER_TICK", {"postgresql": 0})
+    monkeypatch.setattr(scheduler_module, "UNWRITTEN_PER_TICK_ELSEWHERE", 0)
+
+
+@pytest.mark.parametrize("in_the_gap", ["nothing", "its row saved", "a new entry"])
+def test_a_leader_killed_before_it_wrote_its_first_cursors_loses_no_slot(
+    schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch, in_the_gap: str
+) -> None:
+    """A first load publishes before it writes the cursors it set (100,000 take 1.3 s): the
+    fence says where it started the entries that have none, and a successor starts them
+    there. Without that, a leader killed right after its first publication made its successor
+    start them at the takeover, and each slot due in between was lost (1,056 of the
+    100,000-job failover benchmark's). An edit of the row meanwhile changes nothing (the
+    review's case: a save stamps ``date_changed``, and the successor started the entry at the
+    edit); an entry created meanwhile, which the dead leader never saw, is owed nothing from
+    before it existed."""
+    owed_job("published-first", last_run_ago=10)  # due at once: the first publication
+    owed_job("not-yet", last_run_ago=None)  # no cursor: started by the first leader, due each second
+    # Long unchanged: no successor owes it anything from its change (``_unseen_since``).
+    PeriodicTask.objects.filter(name="job:not-yet").update(date_changed=timezone.now() - timedelta(hours=1))
+    no_unwritten_cursors_written(monkeypatch)
+    first = schedulers()
+    marked_at_commit: list[bool] = []
+    real_commit = first._commit_batch
+
+    def commit(batch: Any, now: Any) -> None:  # what a kill right after this commit would leave
+        marked_at_commit.append(SchedulerFence.objects.get().cursors_owed_from is not None)
         real_commit(batch, now)
 
-    monkeypatch.setattr(leader, "_commit_batch", commit_then_lose_the_lease)
-    leader.tick()
-    assert written_at_commit == [True, True], written_at_commit
-    assert ScheduleCursor.objects.filter(name="job:fresh").exists()
+    monkeypatch.setattr(first, "_commit_batch", commit)
+    first.tick()
+    started = SchedulerFence.objects.get().cursors_owed_from
+    assert started is not None and keys("published-first"), "published"
+    assert marked_at_commit == [True], "the start is written before the first publication"
+    assert not ScheduleCursor.objects.filter(name="job:not-yet").exists(), "the premise: killed before its cursors"
+    lapse(first)
+    let_time_pass(1.5)  # the dead leader's silence, in which slots of "not-yet" come due
+    created = timezone.now()
+    if in_the_gap == "its row saved":
+        task = PeriodicTask.objects.get(name="job:not-yet")
+        task.description = "edited while no beat led"
+        task.save()
+    elif in_the_gap == "a new entry":
+        every_second_job("created-in-the-gap")
+    let_time_pass(1.0)
+    successor = schedulers()
+    run_beat(successor, seconds=0.6)
+    assert successor.table is not None, "the successor leads"
+    slots = sorted(Execution.objects.get(idempotency_key=k).scheduled_for for k in keys("not-yet"))
+    expected = [started.replace(microsecond=0) + timedelta(seconds=n + 1) for n in range(len(slots))]
+    assert len(slots) >= 2 and slots == expected, (started, slots)
+    if in_the_gap == "a new entry":
+        new = sorted(Execution.objects.get(idempotency_key=k).scheduled_for for k in keys("created-in-the-gap"))
+        assert new and min(new) > created - timedelta(seconds=1), (created, new)
+
+
+def test_a_restarted_beat_resaving_its_schedule_loses_no_slot_of_a_plain_entry(
+    schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a beat process re-saves its ``CELERY_BEAT_SCHEDULE`` rows when it
+    starts (django-celery-beat's ``update_or_create``), which stamps ``date_changed``. A leader
+    killed before it wrote its first cursors, restarted by its supervisor, then lost the
+    plain entries' slots from the first start to the edit, had the edit decided where they
+    start (plain entries have no ledger key: only their messages show the slots)."""
+    owed_job("published-first", last_run_ago=10)
+    schedule = {"plain-probe": {"task": "testapp.plain", "schedule": 1.0, "args": [1], "options": {"queue": "probe"}}}
+    monkeypatch.setitem(celery_app.conf, "beat_schedule", schedule)
+    no_unwritten_cursors_written(monkeypatch)
+    first = schedulers()  # its set-up writes the entry
+    PeriodicTask.objects.filter(name="plain-probe").update(date_changed=timezone.now() - timedelta(hours=1))
+    first.tick()
+    started = SchedulerFence.objects.get().cursors_owed_from
+    assert started is not None and not ScheduleCursor.objects.filter(name="plain-probe").exists()
+    lapse(first)
+    let_time_pass(1.5)
+    restarted = schedulers()  # the same beat, restarted: its set-up saves the entry again
+    let_time_pass(1.0)
+    run_beat(restarted, seconds=0.6)
+    sent = probe_messages()
+    expected = [started.replace(microsecond=0) + timedelta(seconds=n + 1) for n in range(len(sent))]
+    assert len(sent) >= 2 and sent == expected, (started, sent)
+
+
+def test_a_first_loads_cursors_are_written_as_they_are_then_not_as_the_load_set_them(
+    schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load's cursors are written after its first publications: an entry that has
+    published by then has its cursor moved on by its batch, and the late write keeps it there.
+    A write of the load's value would move it back, and a successor would publish those slots
+    again: a plain Celery entry (no ledger key) twice, on the broker."""
+    from taskplatform.scheduling import scheduler as scheduler_module
+
+    every = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.SECONDS)
+    hourly = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.HOURS)
+    for i in range(6):  # their cursors written before the probe's, one a tick
+        PeriodicTask.objects.create(name=f"filler-{i}", task="testapp.plain", args="[1]", interval=hourly)
+    PeriodicTask.objects.create(name="plain-probe", task="testapp.plain", args="[1]", interval=every, queue="probe")
+    monkeypatch.setattr(scheduler_module, "UNWRITTEN_PER_TICK", {"postgresql": 1})
+    monkeypatch.setattr(scheduler_module, "UNWRITTEN_PER_TICK_ELSEWHERE", 1)
+    first = schedulers()
+    wait_for(lambda: (first.tick(), SchedulerFence.objects.get().cursors_owed_from is None)[1] or None,
+             timeout=20, interval=0.5, what="the first load's cursors, one a tick")  # fmt: skip
+    sent = probe_messages()
+    assert len(sent) >= 3, "the probe published before its cursor was written"
+    assert ScheduleCursor.objects.get(name="plain-probe").last_slot == max(sent)
+    lapse(first)
+    successor = schedulers()
+    run_beat(successor, seconds=1.5)
+    doubled = {slot: n for slot, n in Counter(probe_messages(unique=False)).items() if n > 1}
+    assert not doubled, f"published twice: {doubled}"
+
+
+def probe_messages(*, unique: bool = True) -> list[datetime]:
+    """The slots of the messages waiting on the ``probe`` queue (nobody consumes it)."""
+    import redis
+
+    client = redis.Redis.from_url(broker_url())
+    keys_ = [json.loads(raw)["headers"]["tp_slot"] for raw in client.lrange("probe", 0, -1)]
+    slots = [datetime.fromisoformat(key.split("@", 1)[1].replace("Z", "+00:00")) for key in keys_]
+    return sorted(set(slots)) if unique else slots
 
 
 def test_a_lease_lost_while_cursors_are_written_keeps_the_table_warm(
@@ -628,9 +745,9 @@ def test_a_lease_lost_while_cursors_are_written_keeps_the_table_warm(
     leader = schedulers()
 
     def fenced(*args: Any, **kwargs: Any) -> None:
-        raise FencedOff("the lease was lost while the cursors were written")
+        raise FencedOff("the lease was lost while the first load's start was written")
 
-    monkeypatch.setattr(leader, "_write_cursors", fenced)
+    monkeypatch.setattr(leader, "_mark_owed_from", fenced)
     leader.tick()
     assert leader.table is None and leader._warm is not None
     assert "job:warm-kept" in leader._warm.entries

@@ -528,6 +528,19 @@ class SchedulerFence(models.Model):
     fencing_token = models.BigIntegerField(default=0)
     leader = models.CharField(max_length=255, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
+    cursors_owed_from = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text=(
+            "Set while a new leader is still writing the cursors of its first load (it publishes "
+            "first): an entry without a cursor is owed its slots from then."
+        ),
+    )
+    cursors_owed_up_to_id = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="With cursors_owed_from: the highest schedule row id that leader's load read (later rows are new).",
+    )
 
     def __str__(self) -> str:
         return f"{self.name} ≥ {self.fencing_token}"

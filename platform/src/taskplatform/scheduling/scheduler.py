@@ -59,7 +59,7 @@ from ..core.publisher import publish_many_on_commit
 from ..core.submission import slot_spec
 from ..core.types import NewExecution
 from ..exceptions import SubmissionError
-from ..models import BeatProcess, Execution, JobDefinition, ScheduleCursor, Trigger
+from ..models import BeatProcess, Execution, JobDefinition, ScheduleCursor, SchedulerFence, Trigger
 from ..observability.logs import execution_context
 from .clock import DatabaseClock
 from .config import configuration_problems
@@ -81,6 +81,10 @@ HEARTBEAT_SECONDS = 5.0
 #: Cursors written per transaction when the schedule is (re)loaded; the lease is renewed
 #: (if due) before each, so a schedule of any size is taken over without losing it.
 CURSOR_CHUNK = 1000
+#: Cursors of a first load written per tick after its publication (``_write_unwritten``), by
+#: database vendor: about 0.25 s of a tick on PostgreSQL at 20,000.
+UNWRITTEN_PER_TICK = {"postgresql": 20_000}
+UNWRITTEN_PER_TICK_ELSEWHERE = 5_000
 #: Entries per statement when django-celery-beat's run columns are written (``_record_runs``).
 RUNS_CHUNK = 500
 
@@ -204,6 +208,10 @@ class LockedScheduler(DatabaseScheduler):
         self._last_heartbeat = float("-inf")
         self._reported_leading = False
         self._needs_full_load = False
+        #: The entries of this term's first load whose cursors are still to be written (after
+        #: its first publication: ``_write_unwritten``), and whether the fence says so.
+        self._unwritten: list[tuple[str, datetime]] = []
+        self._owed_marked = False
         self._started_at = timezone.now()
         #: The database's clock: slots are due by it, not by this host's (``scheduling.clock``).
         self.clock = DatabaseClock()
@@ -302,6 +310,7 @@ class LockedScheduler(DatabaseScheduler):
             elif started - self._table_synced_at >= self.conf.beat_sync_seconds:
                 self._sync_table(now, first=False)
             self._publish_due(now)
+            self._write_unwritten()
             freeze_after_load(self.table)
         except FencedOff as exc:
             log.error("beat %s stops publishing: %s", self.identity, exc)
@@ -498,6 +507,7 @@ class LockedScheduler(DatabaseScheduler):
 
     def _step_down(self) -> None:
         self._leading = False
+        self._unwritten, self._owed_marked = [], False  # still owed from the fence's moment: the successor's
         with self._warm_lock:  # its entries are current: a follower's warm table (the rest is reset at takeover)
             self._warm, self.table = self.table, None
         self._record_runs()
@@ -564,15 +574,28 @@ class LockedScheduler(DatabaseScheduler):
         self._runs[name] = (max(last, known[0]), count + known[1]) if known else (last, count)
 
     def _sync_table(self, now: datetime, *, first: bool) -> None:
-        """Re-read the schedule and write the cursors it sets or drops, before any publication
-        from it: a successor must find them (a first start on 100,000 entries writes 100,000,
-        about 1.3 s). Deferring them past the first batch was measured and rejected: the kill of a
-        leader just after its first publication lost 1,056 slots of the failover benchmark."""
+        """Re-read the schedule and write the cursors it sets or drops before any publication
+        from it; except a first load's (a takeover's), written after its first publication.
+
+        A first start on 100,000 entries sets 100,000 cursors, about 1.3 s of writes. Before
+        publishing, a first load writes one moment instead: where it starts the entries that
+        have no cursor (``SchedulerFence.cursors_owed_from``, kept if a predecessor left one).
+        A successor that finds it set starts them there too (``ScheduleTable._unseen_since``),
+        so a leader killed right after its first publication loses no slot: deferring the
+        writes without it lost 1,056 slots of the 100,000-job failover benchmark, whose kill
+        follows the first publication. ``_write_unwritten`` writes them, then clears the moment.
+        """
         assert self.table is not None
         self._record_runs()
         resets, gone = self.table.load(now, first=first, keep_alive=self._keep_alive)
         self._table_synced_at = time.monotonic()
         try:
+            if first:
+                self._unwritten = resets
+                self._owed_marked = bool(resets) or self.table.owed_from is not None
+                if resets:
+                    self._mark_owed_from(now)
+                resets = []
             # In chunks, each in a transaction of its own behind a fresh renewal and the fence:
             # a cursor written alone is as valid as one written with all the others.
             size = CURSOR_CHUNK * (10 if connection.vendor == "postgresql" else 1)
@@ -598,7 +621,58 @@ class LockedScheduler(DatabaseScheduler):
             # the database on the next tick rather than carry on with the two disagreeing.
             self.table = ScheduleTable(self.conf, self.app)
             self._needs_full_load = True
+            self._unwritten, self._owed_marked = [], False
             raise
+
+    def _mark_owed_from(self, now: datetime) -> None:
+        """Before a first load's first publication: its entries without a cursor, those up to
+        the highest row id it read, are owed from ``now`` (or from where a predecessor that
+        left this unfinished started them)."""
+        self._keep_alive()
+        lease = self.leadership.lease
+        assert lease is not None
+        assert self.table is not None
+        with transaction.atomic():
+            check_fence(self.conf.beat_lock_name, lease)
+            # A predecessor's pair is kept whole (its load's entries are owed from its moment).
+            SchedulerFence.objects.filter(name=self.conf.beat_lock_name, cursors_owed_from__isnull=True).update(
+                cursors_owed_from=now, cursors_owed_up_to_id=self.table.max_row_id
+            )
+
+    def _write_unwritten(self) -> None:
+        """After a tick's publication: write up to ``UNWRITTEN_PER_TICK`` of the first load's
+        cursors, then, once all are, clear the fence's ``cursors_owed_from``. Each cursor as it
+        is now, not as the load set it: one whose entry has published since has moved on (its
+        batch wrote it), and writing the load's value would move it back, so that a successor
+        published those slots again (a plain Celery entry's twice: it has no ledger key)."""
+        if not self._owed_marked:
+            return
+        assert self.table is not None
+        budget = UNWRITTEN_PER_TICK.get(connection.vendor, UNWRITTEN_PER_TICK_ELSEWHERE)
+        size = CURSOR_CHUNK * (10 if connection.vendor == "postgresql" else 1)
+        while self._unwritten and budget > 0:
+            names = self._unwritten[: min(size, budget)]
+            cursors = [(name, self.table.cursors[name]) for name, _start in names if name in self.table.cursors]
+            self._keep_alive()
+            lease = self.leadership.lease
+            assert lease is not None
+            with transaction.atomic():
+                check_fence(self.conf.beat_lock_name, lease)
+                if cursors:
+                    self._write_cursors(cursors, lease.token)
+            del self._unwritten[: len(names)]
+            budget -= len(names)
+        if self._unwritten:
+            return
+        self._keep_alive()
+        lease = self.leadership.lease
+        assert lease is not None
+        with transaction.atomic():
+            check_fence(self.conf.beat_lock_name, lease)
+            SchedulerFence.objects.filter(name=self.conf.beat_lock_name).update(
+                cursors_owed_from=None, cursors_owed_up_to_id=None
+            )
+        self._owed_marked = False
 
     def _write_cursors(self, cursors: list[tuple[str, datetime]], token: int) -> None:
         """Upsert ``(name, last slot)`` cursors under ``token``."""

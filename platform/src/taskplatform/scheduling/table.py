@@ -34,7 +34,7 @@ from ..conf import PlatformSettings
 from ..core.validation import is_idempotent
 from ..domain.policies import MisfirePolicy
 from ..exceptions import ConfigurationError
-from ..models import JobDefinition, ScheduleCursor
+from ..models import JobDefinition, ScheduleCursor, SchedulerFence
 from .slots import PERIOD_SECONDS, Bounded, Clocked, Crontab, Interval, Schedule
 
 log = logging.getLogger("taskplatform.beat")
@@ -225,6 +225,14 @@ class ScheduleTable:
         self._seen: set[str] = set()
         #: The full load after which the process's objects were frozen (``freeze_after_load``).
         self.frozen_for: datetime | None = None
+        #: Read with the cursors at a takeover: where a leader that had not written the cursors
+        #: of its first load yet started the entries without one, and the highest row id that
+        #: load read (``SchedulerFence``); None, None when every cursor was written.
+        self.owed_from: datetime | None = None
+        self.owed_up_to_id: int | None = None
+        #: Each row's id, as the last full load read it; the highest is ``max_row_id``.
+        self._row_ids: dict[str, int] = {}
+        self.max_row_id = 0
 
     @property
     def full_load_at(self) -> datetime | None:
@@ -341,7 +349,9 @@ class ScheduleTable:
         )
         recent = {"job": (job_stamps["n"], job_stamps["last"])}
         if first:
-            self.cursors = read_cursors()  # before the rows: queries come before the pause below
+            # Before the rows: queries come before the pause below.
+            self.cursors = read_cursors()
+            self.owed_from, self.owed_up_to_id = read_owed_from(self.conf.beat_lock_name)
         # From the read's rows to the built entries, the garbage collector is paused: CPU work
         # that allocates millions of objects and frees none (``_collector_paused``). No query
         # runs inside but the lease renewals.
@@ -355,6 +365,7 @@ class ScheduleTable:
             self._marks = None  # until this load has finished: a load cut short is not a baseline
             changed_at = {row["name"]: row.pop("date_changed") for row in rows}  # not part of the digest
             last_run = {row["name"]: row.pop("last_run_at") for row in rows}  # nor this (the leader writes it)
+            row_ids = {row["name"]: row["id"] for row in rows}
             linked = {row["job__slug"] for row in rows if row["job__id"] is not None}
             trigger_slugs = [
                 args[0]
@@ -393,6 +404,7 @@ class ScheduleTable:
             self.broken.pop(name, None)
         self._marks, self._recent, self._full_at = marks, recent, now
         self._changed_at, self._last_run, self._seen = changed_at, last_run, seen
+        self._row_ids, self.max_row_id = row_ids, max(row_ids.values(), default=0)
         self.loaded_at = now
         return resets, gone
 
@@ -454,7 +466,7 @@ class ScheduleTable:
                 if not first:
                     start = max(self.cursors.get(name, since), since)
                 elif name not in self.cursors:
-                    start = self._unseen_since(changed_at.get(name), now, last_run.get(name))
+                    start = self._unseen_since(changed_at.get(name), now, last_run.get(name), row["id"])
                 else:
                     start = now
                 self.cursors[name] = start
@@ -470,13 +482,16 @@ class ScheduleTable:
         would; an entry without one starts where a cold load would start it (``_unseen_since``,
         from what the full load read of its row, unchanged since)."""
         self.cursors = read_cursors()
+        self.owed_from, self.owed_up_to_id = read_owed_from(self.conf.beat_lock_name)
         resets: list[tuple[str, datetime]] = []
         try:
             for index, (name, entry) in enumerate(self.entries.items()):
                 if keep_alive is not None and index % KEEP_ALIVE_EVERY == 0:
                     keep_alive()
                 if name not in self.cursors:
-                    start = self._unseen_since(self._changed_at.get(name), now, self._last_run.get(name))
+                    start = self._unseen_since(
+                        self._changed_at.get(name), now, self._last_run.get(name), self._row_ids.get(name)
+                    )
                     self.cursors[name] = start
                     resets.append((name, start))
                 self._push(entry)
@@ -490,7 +505,11 @@ class ScheduleTable:
         return resets, gone
 
     def _unseen_since(
-        self, changed_at: datetime | None, now: datetime, last_run_at: datetime | None = None
+        self,
+        changed_at: datetime | None,
+        now: datetime,
+        last_run_at: datetime | None = None,
+        row_id: int | None = None,
     ) -> datetime:
         """Where a new leader starts an entry that has no cursor yet.
 
@@ -503,13 +522,29 @@ class ScheduleTable:
         the takeover took up to a lease and a tick more. Such an entry is owed its slots from
         when it changed, so none is lost in the failover. Anything older without a cursor (a
         first start of the scheduler on an existing schedule) starts now: its past is not owed.
+
+        Unless a leader started it before, then lost the lease (or died) before it had written
+        the cursors of its first load (it publishes first): the fence holds where that leader
+        started the entries without a cursor (``owed_from``, its load's time) and the highest
+        row id its load read. An entry that existed then (its id is not above) starts where that
+        leader started it, by the same rule at that moment, whatever edits its row had since (a
+        restarted beat re-saves its ``CELERY_BEAT_SCHEDULE`` rows; a pause stamps the row): the
+        slots it owed from then are not lost. An entry created since then is one that leader
+        never saw, as above.
         """
         if last_run_at is not None:
             return min(last_run_at, now)
+        unseen = timedelta(
+            seconds=self.conf.beat_sync_seconds + self.conf.beat_lease_seconds + self.conf.beat_tick_seconds + 1
+        )
+        owed_from, up_to = self.owed_from, self.owed_up_to_id
+        if owed_from is not None and (up_to is None or row_id is None or row_id <= up_to):
+            if changed_at is not None and changed_at >= owed_from - unseen:
+                return min(changed_at, owed_from, now)
+            return min(owed_from, now)
         if changed_at is None:
             return now
-        unseen = self.conf.beat_sync_seconds + self.conf.beat_lease_seconds + self.conf.beat_tick_seconds + 1
-        if changed_at < now - timedelta(seconds=unseen):
+        if changed_at < now - unseen:
             return now
         return min(changed_at, now)
 
@@ -549,6 +584,16 @@ _STAMPED = (("task", PeriodicTask, "date_changed"), ("job", JobDefinition, "upda
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def read_owed_from(lock_name: str) -> tuple[datetime | None, int | None]:
+    """Where the entries without a cursor start and the highest row id that owes it, if a
+    leader of ``lock_name`` had not written the cursors of its first load when it stopped
+    leading (``SchedulerFence.cursors_owed_from``, ``cursors_owed_up_to_id``)."""
+    row = (
+        SchedulerFence.objects.filter(name=lock_name).values_list("cursors_owed_from", "cursors_owed_up_to_id").first()
+    )
+    return (row[0], row[1]) if row is not None else (None, None)
 
 
 def read_cursors() -> dict[str, datetime]:
