@@ -602,6 +602,13 @@ def lapse(scheduler: LockedScheduler) -> None:
     assert lease is not None and scheduler.leadership.backend.release(lease)
 
 
+def early_in_a_second() -> None:
+    """Wait until the clock is early in a second: a tick run then loads and publishes within
+    that second, so an every-second entry started by its load has no slot due in it."""
+    wait_for(lambda: 50_000 <= timezone.now().microsecond <= 400_000 or None, timeout=2, interval=0.01,
+             what="the start of a second")  # fmt: skip
+
+
 def let_time_pass(seconds: float) -> None:
     """Wall time in which nothing publishes (the scenario needs it: slots come due meanwhile)."""
     moment = timezone.now() + timedelta(seconds=seconds)
@@ -643,13 +650,14 @@ def test_a_leader_killed_before_it_wrote_its_first_cursors_loses_no_slot(
         real_commit(batch, now)
 
     monkeypatch.setattr(first, "_commit_batch", commit)
+    early_in_a_second()
     first.tick()
     started = SchedulerFence.objects.get().cursors_owed_from
     assert started is not None and keys("published-first"), "published"
     assert marked_at_commit == [True], "the start is written before the first publication"
     assert not ScheduleCursor.objects.filter(name="job:not-yet").exists(), "the premise: killed before its cursors"
     lapse(first)
-    let_time_pass(1.5)  # the dead leader's silence, in which slots of "not-yet" come due
+    let_time_pass(2.5)  # the dead leader's silence, in which slots of "not-yet" come due
     created = timezone.now()
     if in_the_gap == "its row saved":
         task = PeriodicTask.objects.get(name="job:not-yet")
@@ -669,6 +677,69 @@ def test_a_leader_killed_before_it_wrote_its_first_cursors_loses_no_slot(
         assert new and min(new) > created - timedelta(seconds=1), (created, new)
 
 
+def test_an_entry_started_at_its_change_keeps_that_start_through_a_kill_and_an_edit(
+    schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in the second review: an entry changed just before a first load starts at its
+    change, not at the fence's moment, so a successor cannot rebuild its start from the
+    moment, least of all after an edit in the gap (a restarted beat re-saves its rows): its
+    cursor is written before the first publication. Here the first leader dies before it
+    commits any slot."""
+    every_second_job("just-changed")
+    changed = timezone.now() - timedelta(seconds=3)
+    PeriodicTask.objects.filter(name="job:just-changed").update(date_changed=changed)
+    no_unwritten_cursors_written(monkeypatch)
+    first = schedulers()
+
+    held: list[Any] = []
+
+    def killed_before_its_first_commit(batch: Any, now: Any) -> None:
+        held.append(first.leadership.lease)
+        raise FencedOff("killed before its first commit")
+
+    monkeypatch.setattr(first, "_commit_batch", killed_before_its_first_commit)
+    first.tick()
+    assert held and not keys("just-changed"), "the premise: nothing published"
+    assert first.leadership.backend.release(held[0]), "its lease freed, as its expiry would"
+    let_time_pass(1.0)
+    task = PeriodicTask.objects.get(name="job:just-changed")
+    task.description = "saved again while no beat led"
+    task.save()
+    successor = schedulers()
+    run_beat(successor, seconds=0.6)
+    slots = sorted(Execution.objects.get(idempotency_key=k).scheduled_for for k in keys("just-changed"))
+    assert slots and slots[0] == changed.replace(microsecond=0) + timedelta(seconds=1), (changed, slots)
+
+
+def test_a_second_leader_killed_before_its_cursors_loses_no_slot_of_an_entry_the_first_never_saw(
+    schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in the second review: the fence keeps the first owing leader's moment, which does
+    not cover a row created after its load; the second leader's start for that row is written
+    before its first publication, so a third leader, after the second died too, starts the row
+    where the second did (a crash loop, a rolling restart)."""
+    owed_job("published-first", last_run_ago=10)
+    owed_job("seen-by-the-first", last_run_ago=None)
+    PeriodicTask.objects.update(date_changed=timezone.now() - timedelta(hours=1))
+    no_unwritten_cursors_written(monkeypatch)
+    first = schedulers()
+    first.tick()
+    assert SchedulerFence.objects.get().cursors_owed_from is not None
+    lapse(first)
+    every_second_job("unseen-by-the-first")
+    PeriodicTask.objects.filter(name="job:unseen-by-the-first").update(date_changed=timezone.now() - timedelta(hours=1))
+    second = schedulers()
+    second.tick()
+    assert second.table is not None, "the second leads"
+    second_started = timezone.now()
+    lapse(second)
+    let_time_pass(2.0)
+    third = schedulers()
+    run_beat(third, seconds=0.6)
+    slots = sorted(Execution.objects.get(idempotency_key=k).scheduled_for for k in keys("unseen-by-the-first"))
+    assert slots and slots[0] <= second_started + timedelta(seconds=1), (second_started, slots)
+
+
 def test_a_restarted_beat_resaving_its_schedule_loses_no_slot_of_a_plain_entry(
     schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -683,6 +754,7 @@ def test_a_restarted_beat_resaving_its_schedule_loses_no_slot_of_a_plain_entry(
     no_unwritten_cursors_written(monkeypatch)
     first = schedulers()  # its set-up writes the entry
     PeriodicTask.objects.filter(name="plain-probe").update(date_changed=timezone.now() - timedelta(hours=1))
+    early_in_a_second()
     first.tick()
     started = SchedulerFence.objects.get().cursors_owed_from
     assert started is not None and not ScheduleCursor.objects.filter(name="plain-probe").exists()
@@ -710,6 +782,8 @@ def test_a_first_loads_cursors_are_written_as_they_are_then_not_as_the_load_set_
     for i in range(6):  # their cursors written before the probe's, one a tick
         PeriodicTask.objects.create(name=f"filler-{i}", task="testapp.plain", args="[1]", interval=hourly)
     PeriodicTask.objects.create(name="plain-probe", task="testapp.plain", args="[1]", interval=every, queue="probe")
+    # Long unchanged: each starts at the load's moment, and only those cursors wait (``split_owed``).
+    PeriodicTask.objects.update(date_changed=timezone.now() - timedelta(hours=1))
     monkeypatch.setattr(scheduler_module, "UNWRITTEN_PER_TICK", {"postgresql": 1})
     monkeypatch.setattr(scheduler_module, "UNWRITTEN_PER_TICK_ELSEWHERE", 1)
     first = schedulers()
@@ -745,9 +819,10 @@ def test_a_lease_lost_while_cursors_are_written_keeps_the_table_warm(
     leader = schedulers()
 
     def fenced(*args: Any, **kwargs: Any) -> None:
-        raise FencedOff("the lease was lost while the first load's start was written")
+        raise FencedOff("the lease was lost while the first load's cursors or start were written")
 
     monkeypatch.setattr(leader, "_mark_owed_from", fenced)
+    monkeypatch.setattr(leader, "_write_cursors", fenced)
     leader.tick()
     assert leader.table is None and leader._warm is not None
     assert "job:warm-kept" in leader._warm.entries

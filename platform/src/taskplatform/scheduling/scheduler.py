@@ -579,11 +579,15 @@ class LockedScheduler(DatabaseScheduler):
 
         A first start on 100,000 entries sets 100,000 cursors, about 1.3 s of writes. Before
         publishing, a first load writes one moment instead: where it starts the entries that
-        have no cursor (``SchedulerFence.cursors_owed_from``, kept if a predecessor left one).
-        A successor that finds it set starts them there too (``ScheduleTable._unseen_since``),
-        so a leader killed right after its first publication loses no slot: deferring the
+        have no cursor, with the highest row id it read (``SchedulerFence.cursors_owed_from``
+        and ``cursors_owed_up_to_id``, kept whole if a predecessor left them). A successor that
+        finds them starts those entries there too (``ScheduleTable._unseen_since``), so a
+        leader killed right after its first publication loses no slot of theirs: deferring the
         writes without it lost 1,056 slots of the 100,000-job failover benchmark, whose kill
-        follows the first publication. ``_write_unwritten`` writes them, then clears the moment.
+        follows the first publication. Only the cursors the moment covers wait
+        (``ScheduleTable.split_owed``); any other start (a ``last_run_at``, a change time, a
+        row created after the moment's load) is written before publishing, as before.
+        ``_write_unwritten`` writes the rest after it, then clears the moment.
         """
         assert self.table is not None
         self._record_runs()
@@ -591,11 +595,10 @@ class LockedScheduler(DatabaseScheduler):
         self._table_synced_at = time.monotonic()
         try:
             if first:
-                self._unwritten = resets
-                self._owed_marked = bool(resets) or self.table.owed_from is not None
-                if resets:
+                self._unwritten, resets = self.table.split_owed(resets, now)
+                self._owed_marked = bool(self._unwritten) or self.table.owed_from is not None
+                if self._unwritten:
                     self._mark_owed_from(now)
-                resets = []
             # In chunks, each in a transaction of its own behind a fresh renewal and the fence:
             # a cursor written alone is as valid as one written with all the others.
             size = CURSOR_CHUNK * (10 if connection.vendor == "postgresql" else 1)

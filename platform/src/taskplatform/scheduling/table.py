@@ -504,6 +504,28 @@ class ScheduleTable:
         self.loaded_at = now
         return resets, gone
 
+    def split_owed(
+        self, resets: list[tuple[str, datetime]], now: datetime
+    ) -> tuple[list[tuple[str, datetime]], list[tuple[str, datetime]]]:
+        """A first load's new cursors: (those the fence's moment covers, the others).
+
+        Covered: an entry started at the moment (the one kept from a predecessor, else this
+        load's ``now``) whose row the moment's load read (its id is not above the kept one):
+        a successor that finds the moment starts it there too, so its cursor can wait until
+        after the first publication. Any other start (a ``last_run_at``, a change time, a row
+        the moment's load never read) is written before it: a successor could not rebuild it."""
+        moment = self.owed_from or now
+        up_to = self.owed_up_to_id if self.owed_from is not None else None
+        covered: list[tuple[str, datetime]] = []
+        others: list[tuple[str, datetime]] = []
+        for name, start in resets:
+            row_id = self._row_ids.get(name)
+            if start == moment and (up_to is None or (row_id is not None and row_id <= up_to)):
+                covered.append((name, start))
+            else:
+                others.append((name, start))
+        return covered, others
+
     def _unseen_since(
         self,
         changed_at: datetime | None,
