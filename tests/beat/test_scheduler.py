@@ -624,7 +624,7 @@ def no_unwritten_cursors_written(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scheduler_module, "UNWRITTEN_PER_TICK_ELSEWHERE", 0)
 
 
-@pytest.mark.parametrize("in_the_gap", ["nothing", "its row saved", "a new entry"])
+@pytest.mark.parametrize("in_the_gap", ["nothing", "its row saved", "a new entry", "nothing, its last run ahead"])
 def test_a_leader_killed_before_it_wrote_its_first_cursors_loses_no_slot(
     schedulers: Callable[[], LockedScheduler], monkeypatch: pytest.MonkeyPatch, in_the_gap: str
 ) -> None:
@@ -640,6 +640,9 @@ def test_a_leader_killed_before_it_wrote_its_first_cursors_loses_no_slot(
     owed_job("not-yet", last_run_ago=None)  # no cursor: started by the first leader, due each second
     # Long unchanged: no successor owes it anything from its change (``_unseen_since``).
     PeriodicTask.objects.filter(name="job:not-yet").update(date_changed=timezone.now() - timedelta(hours=1))
+    last_run_ahead = in_the_gap == "nothing, its last run ahead"  # the third review's case:
+    if last_run_ahead:  # a run recorded by a host whose clock is ahead; it starts at the load's now
+        PeriodicTask.objects.filter(name="job:not-yet").update(last_run_at=timezone.now() + timedelta(seconds=30))
     no_unwritten_cursors_written(monkeypatch)
     first = schedulers()
     marked_at_commit: list[bool] = []
@@ -652,10 +655,15 @@ def test_a_leader_killed_before_it_wrote_its_first_cursors_loses_no_slot(
     monkeypatch.setattr(first, "_commit_batch", commit)
     early_in_a_second()
     first.tick()
-    started = SchedulerFence.objects.get().cursors_owed_from
-    assert started is not None and keys("published-first"), "published"
-    assert marked_at_commit == [True], "the start is written before the first publication"
-    assert not ScheduleCursor.objects.filter(name="job:not-yet").exists(), "the premise: killed before its cursors"
+    marker = SchedulerFence.objects.get().cursors_owed_from
+    assert keys("published-first"), "published"
+    if last_run_ahead:  # no start a successor could rebuild: written before publishing, no moment
+        assert marker is None and marked_at_commit == [False]
+        started = ScheduleCursor.objects.get(name="job:not-yet").last_slot
+    else:
+        assert marker is not None and marked_at_commit == [True], "the moment is written before publishing"
+        assert not ScheduleCursor.objects.filter(name="job:not-yet").exists(), "the premise: killed before its cursors"
+        started = marker
     lapse(first)
     let_time_pass(2.5)  # the dead leader's silence, in which slots of "not-yet" come due
     created = timezone.now()

@@ -520,7 +520,13 @@ class ScheduleTable:
         others: list[tuple[str, datetime]] = []
         for name, start in resets:
             row_id = self._row_ids.get(name)
-            if start == moment and (up_to is None or (row_id is not None and row_id <= up_to)):
+            # A ``last_run_at`` decides before the moment (a successor would start there, even
+            # where it is ahead of this load's now and the start came out at the moment).
+            if (
+                start == moment
+                and self._last_run.get(name) is None
+                and (up_to is None or (row_id is not None and row_id <= up_to))
+            ):
                 covered.append((name, start))
             else:
                 others.append((name, start))
