@@ -54,6 +54,8 @@ def test_soak_of_20000_executions_loses_nothing_and_explains_every_rerun(tmp_pat
     injected = result["fault_counts"]
     kinds = ("worker_kill", "child_kill", "beat_kill", "beat_stop", "redis_restart", "pg_terminate")
     assert all(injected.get(kind, 0) >= 1 for kind in kinds), f"faults injected: {injected}"
+    assert not checks["faults_not_injected"], f"planned faults that did not happen: {checks['faults_not_injected']}"
+    assert not checks["failovers_slow"], f"beat failovers over the limit: {checks['failovers_slow']}"
 
     assert checks["drained"], f"executions still unfinished at the drain's deadline: {result['states']}"
     assert checks["lost_no_row"] == 0, "a recorded key has no ledger row"
