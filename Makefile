@@ -86,9 +86,14 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/run.py $(BENCH_ARGS) --json var/bench/run.json
 	$(BIN)/python bench/submit_many.py --n 10000 --loop-n 2000 --rounds 3
 
-## make bench-beat: DatabaseScheduler vs celery-redbeat vs LockedScheduler (tick cost, lateness, failover)
+## make bench-beat: DatabaseScheduler vs celery-redbeat vs LockedScheduler at 1,000 and 10,000 jobs (tick cost,
+## lateness, failover); then LockedScheduler alone at 100,000 jobs of the mixed schedule (10 % every minute, the
+## rest every 10 minutes, hourly or daily crons in six zones), its failover with those 100,000 (docs/benchmarks.md)
+BEAT_ARGS ?= --jobs 1000,10000 --seconds 30
+BEAT_SCALE_ARGS ?= --schedulers locked --jobs 100000 --mix --seconds 120 --failover-jobs 100000
 bench-beat: $(VENV)/.installed-bench
-	$(BIN)/python bench/beat.py $(BENCH_ARGS)
+	$(BIN)/python bench/beat.py $(BEAT_ARGS) --json var/bench/beat.json
+	$(BIN)/python bench/beat.py $(BEAT_SCALE_ARGS) --json var/bench/beat-100k.json
 
 clean:
 	rm -rf $(VENV) var

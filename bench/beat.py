@@ -327,11 +327,30 @@ def lost_minute_slots(n: int, start: datetime, end: datetime) -> tuple[int, int]
     return len(expected), len(expected - found)
 
 
+def messages_per_execution() -> tuple[int, int, int]:
+    """The queue's messages (nothing consumes it) against the ledger's beat rows: how many
+    executions have more than one message (a doubled slot), how many messages those extra ones
+    are, and how many rows have no message (a commit whose publication the kill cut: the
+    rescuer republishes those, and none runs here)."""
+    from taskplatform.core.publisher import HEADER_EXECUTION
+    from taskplatform.models import Execution
+
+    counts: dict[int, int] = {}
+    for raw in broker().lrange(QUEUE, 0, -1):
+        execution = json.loads(raw).get("headers", {}).get(HEADER_EXECUTION)
+        if execution is not None:
+            counts[int(execution)] = counts.get(int(execution), 0) + 1
+    doubled = [n for n in counts.values() if n > 1]
+    rows = set(Execution.objects.filter(job__isnull=False).values_list("pk", flat=True))
+    return len(doubled), sum(n - 1 for n in doubled), len(rows - counts.keys())
+
+
 def run_failover(kind: str, label: str, env: dict[str, str], wait_s: float, jobs: int = 1) -> dict[str, Any]:
     """SIGKILL of the leader: the time to the survivor's first publication. ``jobs`` > 1 (locked
     only): the mixed schedule of that many jobs, the follower's table built before the kill,
     and the every-minute jobs' slots from the kill to 30 s after the first publication checked
-    against the ledger (none lost)."""
+    against the ledger (none lost); every slot of every job, before and after the kill, checked
+    for a second message (none doubled)."""
     reset()
     if jobs > 1:
         populate(kind, jobs, every=60, mix=True)
@@ -368,12 +387,16 @@ def run_failover(kind: str, label: str, env: dict[str, str], wait_s: float, jobs
     if jobs > 1:
         # The ledger's rows up to 5 s before the check: later slots may still be on their way.
         due, lost = lost_minute_slots(jobs, killed_at, killed_at + timedelta(seconds=window - 5))
+        doubled, extra, unpublished = messages_per_execution()
         return {
             "scheduler": label,
             "jobs": jobs,
             "failover_s": failover if failover is not None else f"> {wait_s:g} (none)",
             "every_minute_slots_due": due,
             "lost": lost,
+            "slots_doubled": doubled,
+            "extra_messages": extra,
+            "rows_without_message": unpublished,
         }
     return {
         "scheduler": label,
