@@ -111,8 +111,22 @@ def fill(executions: int, events_per: int) -> None:
     print(f"filled {executions:,} executions and {executions * events_per:,} events in {seconds:.0f} s")
 
 
+def created_since(days: int | None = None, month: bool = False) -> str:
+    """The query of the admin's created filter (``DateFieldListFilter``), as its links make it:
+    today, the past ``days`` days, or this month, up to the start of tomorrow (UTC)."""
+    from datetime import UTC, datetime, timedelta
+    from urllib.parse import urlencode
+
+    today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    since = today.replace(day=1) if month else today - timedelta(days=days or 0)
+    return urlencode({"created_at__gte": str(since), "created_at__lt": str(today + timedelta(days=1))})
+
+
 def pages() -> list[tuple[str, str]]:
-    from taskplatform.models import Execution, JobDefinition
+    """The console's pages the issue names: the landing page, the executions list under each of
+    its filters (every value of each), an execution's page, ``/metrics``; and the list's last
+    pages and its other ordering."""
+    from taskplatform.models import Execution, JobDefinition, State, Trigger
 
     one = Execution.objects.filter(state="FAILED").order_by("-id").values_list("id", flat=True).first()
     job = JobDefinition.objects.order_by("id").values_list("id", flat=True).first()
@@ -120,12 +134,16 @@ def pages() -> list[tuple[str, str]]:
     return [
         ("admin landing page (overview)", "/admin/"),
         ("executions list", base),
+        ("executions: page 500", f"{base}?p=500"),
+        ("executions: oldest first", f"{base}?o=-1"),
         ("executions: dead letters", f"{base}?dead_letter=yes"),
         ("executions: stuck", f"{base}?stuck=yes"),
-        ("executions: state RUNNING", f"{base}?state__exact=RUNNING"),
-        ("executions: trigger beat", f"{base}?trigger__exact=beat"),
+        *((f"executions: state {state}", f"{base}?state__exact={state}") for state in State.values),
+        *((f"executions: trigger {trigger}", f"{base}?trigger__exact={trigger}") for trigger in Trigger.values),
         ("executions: one job", f"{base}?job__id__exact={job}"),
-        ("executions: created today", f"{base}?created_at__gte={time.strftime('%Y-%m-%d')}+00:00:00%2B00:00"),
+        ("executions: created today", f"{base}?{created_since(0)}"),
+        ("executions: created, past 7 days", f"{base}?{created_since(7)}"),
+        ("executions: created this month", f"{base}?{created_since(month=True)}"),
         ("executions: search a key", f"{base}?q=console:999999"),
         ("an execution's page", f"{base}{one}/change/"),
         ("/metrics", "/metrics"),
@@ -289,6 +307,9 @@ def main() -> None:
     over = [label for label, _p50, p95, _s in results if p95 >= 300]
     summary = f"{len(results) - len(over)} of {len(results)} pages under 300 ms at p95"
     print(f"\n{summary}; over: {over}" if over else f"\n{summary}")
+    failed = [(label, status) for label, _p50, _p95, status in results if status != 200]
+    if failed:  # a redirect or an error page is fast and proves nothing
+        raise SystemExit(f"pages that did not answer 200: {failed}")
     if options.prune_seconds:
         prune_rate(options.prune_seconds)
 
