@@ -18,7 +18,7 @@ from django.utils import timezone
 from taskplatform.backends import get_lock_backend
 from taskplatform.core import ledger
 from taskplatform.domain.states import State
-from taskplatform.models import BeatProcess, Execution, ExecutionEvent, JobDefinition, OperatorAction
+from taskplatform.models import BeatProcess, CountsSnapshot, Execution, ExecutionEvent, JobDefinition, OperatorAction
 
 pytestmark = [pytest.mark.portable, pytest.mark.django_db(transaction=True)]
 
@@ -712,6 +712,10 @@ def test_the_landing_page_shows_counts_and_an_offline_chart_of_the_last_24_hours
     assert "<script" not in section and "src=" not in section and "https://" not in section  # nothing external
     overview = page.context["overview"]
     assert sum(overview.series["succeeded"]) == 2 and sum(overview.series["failed"]) == 1
+    assert "counted now" in html  # no maintenance snapshot yet: counted live
+    CountsSnapshot.take()
+    html = client.get("/admin/").content.decode()
+    assert "counted at " in html and "(shown while at most 30 s old)" in html  # the staleness, stated
     # Without the view permission on executions, no overview.
     User.objects.create_user("nobody", password="pw", is_staff=True)
     other = Client()

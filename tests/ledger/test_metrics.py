@@ -99,6 +99,7 @@ def test_counts_come_from_the_maintenance_snapshot_while_it_is_fresh_and_say_how
 
     view = overview()
     assert (view.counts["PENDING"], view.counted_at) == (2, snapshot.taken_at)
+    assert view.counts_max_age == 30  # the bound the landing page states beside the time
     m = scrape()
     assert m[("taskplatform_executions", (("job", "snap"), ("state", "PENDING")))] == 2
     assert 0 <= m[("taskplatform_counts_age_seconds", ())] < 30

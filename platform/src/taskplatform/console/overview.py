@@ -34,6 +34,8 @@ class Overview:
     series: dict[str, list[int]] = field(default_factory=dict)
     #: When the counts per state were taken (the maintenance snapshot), None: counted live.
     counted_at: datetime | None = None
+    #: The oldest a snapshot may be and still be shown (older: counted live), in seconds.
+    counts_max_age: int = 0
 
     @property
     def chart(self) -> dict[str, Any]:
@@ -47,7 +49,8 @@ def _hour(value: datetime) -> datetime:
 def overview(now: datetime | None = None) -> Overview:
     now = now or timezone.now()
     counts = {state.value: 0 for state in State}
-    rows, counted_at, _age = CountsSnapshot.executions(max_age_seconds=3 * platform_settings().counts_interval_seconds)
+    max_age = 3 * platform_settings().counts_interval_seconds
+    rows, counted_at, _age = CountsSnapshot.executions(max_age_seconds=max_age)
     for state, _job, n in rows:
         counts[state] = counts.get(state, 0) + n
     # What an operator acts on is counted now (a state-led index each): the dead letters, as the
@@ -89,6 +92,7 @@ def overview(now: datetime | None = None) -> Overview:
         hours=hours,
         series=series,
         counted_at=counted_at,
+        counts_max_age=max_age,
     )
 
 

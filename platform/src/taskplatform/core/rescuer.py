@@ -33,8 +33,7 @@ from django.utils import timezone
 from .. import tracing
 from ..conf import platform_settings
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP
-from ..domain.states import State
-from ..models import Execution, UtcNow
+from ..models import Execution
 from . import flows, ledger
 from .validation import is_idempotent, registered_task
 
@@ -135,11 +134,7 @@ def run_rescuer(now: datetime | None = None, *, keep_going: Callable[[], bool] =
         # once there are none left (a full batch: the next pass goes on with the rest).
         if recalled < batch and connection.vendor == "mysql":
             _next_unnamed_recall = time.monotonic() + UNNAMED_RECALL_SECONDS
-    due = (
-        Execution.objects.select_related("job")
-        .filter(state__in=(State.PENDING, State.RETRYING, State.WAITING), due_at__lte=UtcNow())
-        .order_by("due_at")[:batch]
-    )
+    due = Execution.objects.overdue().select_related("job").order_by("due_at")[:batch]
     for execution in due:
         if stopped():
             return report
