@@ -285,6 +285,11 @@ def classify_reruns(
     }
 
 
+def slow_failovers(failovers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The beat faults after which no surviving beat led within ``FAILOVER_LIMIT`` s."""
+    return [f for f in failovers if f["new_leader_after_s"] is None or f["new_leader_after_s"] > FAILOVER_LIMIT]
+
+
 # --- the processes the soak starts -----------------------------------------------------------------
 
 
@@ -902,9 +907,7 @@ class Soak:
             *(f"{f.kind} ({f.detail['skipped']})" for f in self.faults if "skipped" in f.detail),
         ]
         failovers = self.failovers()
-        checks["failovers_slow"] = [
-            f for f in failovers if f["new_leader_after_s"] is None or f["new_leader_after_s"] > FAILOVER_LIMIT
-        ]
+        checks["failovers_slow"] = slow_failovers(failovers)
         zero = [k for k in ZERO_CHECKS if checks[k] != 0]
         listed = ("unexpected_exits", "rss_not_flat", "faults_not_injected", "failovers_slow")
         passed = checks["producers_exited_0"] and drained and not zero and not any(checks[k] for k in listed)
@@ -1233,8 +1236,49 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", help="PNG of throughput and RSS over time (needs matplotlib)")
     p.add_argument("--markdown", help="write the summary tables here")
     p.add_argument("--settings", default=SETTINGS, help="Django settings of every process (a variant of the soak's)")
+    p.add_argument(
+        "--recheck", metavar="JSON",
+        help="judge a finished run again by this script's rules: its JSON result, its database (still there, "
+        "--database) and its load's start (--t0, epoch seconds, for a result written before t0_epoch was)",
+    )  # fmt: skip
+    p.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     p.add_argument("--producer", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def recheck(args: argparse.Namespace) -> int:
+    """The checks that do not need the processes, from a finished run's result and database:
+    its re-runs explained by the faults it recorded, the planned faults all injected, its
+    failovers, its processes' RSS. Prints them as JSON; exit status 0 if all hold."""
+    result = json.loads(Path(args.recheck).read_text())
+    args.executions = result["executions_target"]
+    soak = Soak(args)
+    soak.t0 = args.t0 if args.t0 is not None else result["t0_epoch"]
+    soak.db = Database(soak.db_url)
+    soak.faults = [Fault(**fault) for fault in result["faults"]]
+    for fault in soak.faults:
+        if fault.kind in ("worker_kill", "child_kill"):
+            soak.killed_at.update(dict.fromkeys(fault.pids, fault.at))
+    soak.rss = {
+        r["pid"]: {"role": r["role"], "samples": r["samples"], "cpu_seconds": r["cpu_seconds"]}
+        for r in result["rss"]
+        if r["pid"]
+    }
+    planned = Counter(kind for _at, kind in soak.schedule())
+    injected = Counter(f.kind for f in soak.faults if "skipped" not in f.detail)
+    reruns = soak.explain_reruns()
+    rss = soak.rss_summary(result["load_seconds"])
+    checks = {
+        "plain_reruns": {k: v for k, v in reruns.items() if k != "unexplained"},
+        "plain_reruns_unexplained": reruns["unexplained"],
+        "faults_not_injected": sorted((planned - injected).elements()),
+        "failovers_slow": slow_failovers(result["failovers"]),
+        "rss_judged": sum(1 for r in rss if r["flat"] is not None),
+        "rss_not_flat": [r["process"] for r in rss if r["flat"] is False],
+    }
+    print(json.dumps(checks, indent=2))
+    listed = ("plain_reruns_unexplained", "faults_not_injected", "failovers_slow", "rss_not_flat")
+    return 1 if any(checks[k] for k in listed) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1242,6 +1286,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", SETTINGS)
     if args.producer is not None:
         return producer_main(args)
+    if args.recheck:
+        return recheck(args)
     if shutil.which("redis-server") is None:
         raise SystemExit("redis-server is not on PATH")
     return Soak(args).run()
