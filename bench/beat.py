@@ -336,10 +336,12 @@ def messages_per_execution() -> tuple[int, int, int]:
     from taskplatform.models import Execution
 
     counts: dict[int, int] = {}
-    for raw in broker().lrange(QUEUE, 0, -1):
-        execution = json.loads(raw).get("headers", {}).get(HEADER_EXECUTION)
-        if execution is not None:
-            counts[int(execution)] = counts.get(int(execution), 0) + 1
+    chunk = 5000
+    for start in range(0, published(), chunk):
+        for raw in broker().lrange(QUEUE, start, start + chunk - 1):
+            execution = json.loads(raw).get("headers", {}).get(HEADER_EXECUTION)
+            if execution is not None:
+                counts[int(execution)] = counts.get(int(execution), 0) + 1
     doubled = [n for n in counts.values() if n > 1]
     rows = set(Execution.objects.filter(job__isnull=False).values_list("pk", flat=True))
     return len(doubled), sum(n - 1 for n in doubled), len(rows - counts.keys())

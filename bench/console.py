@@ -112,8 +112,10 @@ def fill(executions: int, events_per: int) -> None:
 
 
 def created_since(days: int | None = None, month: bool = False) -> str:
-    """The query of the admin's created filter (``DateFieldListFilter``), as its links make it:
-    today, the past ``days`` days, or this month, up to the start of tomorrow (UTC)."""
+    """A query of the admin's created filter (``DateFieldListFilter``): since the start of today,
+    of the past ``days`` days, or of this month, up to the start of tomorrow (UTC; Django's own
+    links use the site's zone and end this month's at the next month's first day: the same rows
+    here)."""
     from datetime import UTC, datetime, timedelta
     from urllib.parse import urlencode
 
@@ -135,7 +137,7 @@ def pages() -> list[tuple[str, str]]:
         ("admin landing page (overview)", "/admin/"),
         ("executions list", base),
         ("executions: page 500", f"{base}?p=500"),
-        ("executions: oldest first", f"{base}?o=-1"),
+        ("executions: oldest first", f"{base}?o=1"),  # column 1: the id (0 is the actions' checkbox)
         ("executions: dead letters", f"{base}?dead_letter=yes"),
         ("executions: stuck", f"{base}?stuck=yes"),
         *((f"executions: state {state}", f"{base}?state__exact={state}") for state in State.values),

@@ -40,9 +40,10 @@ The oracle: ``soak_soakeffect`` (and ``soak_soakstart``) have no unique constrai
 * **non-atomic re-runs** — a key of ``soak.plain`` with more than one effect ran again; every
   effect that is not the recorded success's (a fencing token other than the row's) is an earlier
   attempt's, and must be *explained* by a fault: written by a process the soak SIGKILLed (a
-  worker's group or a pool child) at most ``KILL_EXPLAINS`` s before the kill (the soak's
-  execution lease: an attempt whose effect is older than that at the kill had its success
-  recorded, or its lease had run out, before the kill), or within ``EXPLAIN_BEFORE`` s before the start to
+  worker's group or a pool child) at most ``KILL_EXPLAINS`` s before the kill (the lease, a
+  renewal's third of it and a retry pause: an attempt whose effect is older than that at the
+  kill had its success recorded, or its lease had run out, before the kill), or within
+  ``EXPLAIN_BEFORE`` s before the start to
   ``EXPLAIN_AFTER`` s after the end of a Redis restart or a PostgreSQL termination (a worker that
   loses the broker terminates its running tasks: Celery's
   ``worker_cancel_long_running_tasks_on_connection_loss``; a cut connection can lose a success
@@ -106,8 +107,13 @@ EXPLAINING_WINDOWS = ("redis_restart", "pg_terminate")
 EXPLAIN_BEFORE = 5.0
 EXPLAIN_AFTER = 2.0
 #: How long before its process's SIGKILL an effect may have been written for the kill to explain
-#: its re-run: the soak's execution lease (``TASKPLATFORM_LEASE_SECONDS`` in its settings).
-KILL_EXPLAINS = 10.0
+#: its re-run. A pool process hands a finished body's success to its recorder thread and runs the
+#: next body; the recorder retries a write the database refused until the lease is certainly lost
+#: (the lease, 10 s in the soak's settings, from its last renewal, renewed every third of it, and a
+#: retry pause of 1 s). So at a kill, one success may be in flight and the next body's effect
+#: written: each at most about 10 + 10/3 + 1 s old. Older, and its success was recorded or its
+#: lease had run out before the kill: the kill does not explain it.
+KILL_EXPLAINS = 15.0
 #: The latest a surviving beat may take the lead after a beat fault (the lease is 6 s; the
 #: target is 10 s with defaults, on a machine the soak keeps busy).
 FAILOVER_LIMIT = 15.0
@@ -244,12 +250,12 @@ def producer_main(args: argparse.Namespace) -> int:
 
 
 def classify_reruns(
-    rows: list[tuple[Any, ...]], windows: list[tuple[str, float, float]], killed_at: dict[int, float]
+    rows: list[tuple[Any, ...]], windows: list[tuple[str, float, float]], killed_at: dict[int, list[float]]
 ) -> dict[str, Any]:
     """Explain the plain effects of keys with more than one: ``rows`` are (key, fencing token,
     pid, when written in seconds from the start of the load, the row's final token) in key order;
     ``windows`` (kind, from, to) the faults that can cut an attempt between its effect and its
-    success; ``killed_at`` when the soak SIGKILLed each pid it killed.
+    success; ``killed_at`` when the soak SIGKILLed each pid it killed (a pid may be reused).
 
     The effect under the row's final token, alone under it, is the recorded success. Any other is
     an earlier attempt's: explained when a window holds its time, or when its process was killed
@@ -268,8 +274,7 @@ def classify_reruns(
             continue  # the attempt whose success was recorded
         why = None
         if tokens[key][token] == 1:
-            killed = killed_at.get(pid)
-            if killed is not None and killed - KILL_EXPLAINS <= at <= killed + 1.0:
+            if any(killed - KILL_EXPLAINS <= at <= killed + 1.0 for killed in killed_at.get(pid, ())):
                 why = "process killed"
             else:
                 why = next((kind for kind, lo, hi in windows if lo <= at <= hi), None)
@@ -407,7 +412,7 @@ class Soak:
         self.producers: list[Proc] = []
         self.generation: Counter[str] = Counter()
         self.faults: list[Fault] = []
-        self.killed_at: dict[int, float] = {}  # pid -> when the soak SIGKILLed it (seconds from t0)
+        self.killed_at: dict[int, list[float]] = defaultdict(list)  # pid -> when the soak SIGKILLed it
         self.not_injected: list[str] = []
         self.pending: list[tuple[float, str, Callable[[], None]]] = []
         self.unexpected_exits: list[dict[str, Any]] = []
@@ -641,7 +646,8 @@ class Soak:
                         os.kill(victim, signal.SIGKILL)
                     fault.pids = [victim]
                     fault.target = f"{worker.role}/child"
-            self.killed_at.update(dict.fromkeys(fault.pids, at))
+            for pid in fault.pids:
+                self.killed_at[pid].append(at)
         elif kind in ("beat_kill", "beat_stop"):
             leader = self.wait_leader(10)
             if leader is None:
@@ -649,6 +655,7 @@ class Soak:
             else:
                 fault.target, fault.pids = leader.role, [leader.pid]
                 fault.detail["leader_before"] = leader.pid
+                fault.detail["signalled_at"] = round(self.rel(), 2)  # finding the leader took time
                 if kind == "beat_kill":
                     leader.expected_exit = True
                     leader.kill_group(signal.SIGKILL)
@@ -709,6 +716,16 @@ class Soak:
         pid = self.leader_pid()
         if not self.leaders or self.leaders[-1][1] != pid:
             self.leaders.append((round(self.rel(), 2), pid))
+
+    def await_failovers(self) -> None:
+        """Before the beats stop: watch the lead until every beat fault has a successor, or
+        ``FAILOVER_LIMIT`` s have passed since it (a fault near the end of the load)."""
+        while True:
+            self.watch_leader()
+            open_ = [f for f in self.failovers() if f["new_leader_after_s"] is None]
+            if not open_ or all(self.rel() - f["at"] > FAILOVER_LIMIT for f in open_):
+                return
+            time.sleep(0.2)
 
     # --- the run ---------------------------------------------------------------------------------
 
@@ -779,6 +796,7 @@ class Soak:
         producer_codes = {p.role: p.popen.poll() for p in self.producers}
         self.run_pending(force=True)
         self.check_liveness()
+        self.await_failovers()
         t_stop = time.time()
         for beat in self.beats:
             beat.stop()
@@ -1010,12 +1028,13 @@ class Soak:
             if fault.kind not in ("beat_kill", "beat_stop") or not fault.pids:
                 continue
             victim = fault.pids[0]
-            after = next((t for t, pid in self.leaders if t >= fault.at and pid not in (None, victim)), None)
+            signalled = fault.detail.get("signalled_at", fault.at)
+            after = next((t for t, pid in self.leaders if t >= signalled and pid not in (None, victim)), None)
             out.append(
                 {
                     "kind": fault.kind,
-                    "at": fault.at,
-                    "new_leader_after_s": round(after - fault.at, 1) if after else None,
+                    "at": signalled,
+                    "new_leader_after_s": round(after - signalled, 1) if after else None,
                 }
             )
         return out
@@ -1251,14 +1270,21 @@ def recheck(args: argparse.Namespace) -> int:
     its re-runs explained by the faults it recorded, the planned faults all injected, its
     failovers, its processes' RSS. Prints them as JSON; exit status 0 if all hold."""
     result = json.loads(Path(args.recheck).read_text())
+    defaults = parse([])
+    for name, value in result["config"].items():  # the run's own settings, unless given here
+        if hasattr(args, name) and getattr(args, name) == getattr(defaults, name, None):
+            setattr(args, name, value)
     args.executions = result["executions_target"]
+    if args.t0 is None and "t0_epoch" not in result:
+        raise SystemExit("this result predates t0_epoch: give the load's start with --t0 (epoch seconds)")
     soak = Soak(args)
     soak.t0 = args.t0 if args.t0 is not None else result["t0_epoch"]
     soak.db = Database(soak.db_url)
     soak.faults = [Fault(**fault) for fault in result["faults"]]
     for fault in soak.faults:
         if fault.kind in ("worker_kill", "child_kill"):
-            soak.killed_at.update(dict.fromkeys(fault.pids, fault.at))
+            for pid in fault.pids:
+                soak.killed_at[pid].append(fault.at)
     soak.rss = {
         r["pid"]: {"role": r["role"], "samples": r["samples"], "cpu_seconds": r["cpu_seconds"]}
         for r in result["rss"]

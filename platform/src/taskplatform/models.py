@@ -197,9 +197,11 @@ class ExecutionQuerySet(models.QuerySet["Execution"]):
         return self.filter(state=State.RUNNING, lease_expires_at__lt=now if now is not None else UtcNow())
 
     def overdue(self, now: Any = None) -> ExecutionQuerySet:
-        """Waiting past its due time (a lost message, a parked retry not yet published)."""
+        """Due (at or past its due time) and not claimed: a lost message, a parked retry not yet
+        published. At, not only past: SQLite's clock has milliseconds, and a row made due "now"
+        (a recalled waiter) must be seen by the rescuer's next statement in the same millisecond."""
         return self.filter(
-            state__in=(State.PENDING, State.RETRYING, State.WAITING), due_at__lt=now if now is not None else UtcNow()
+            state__in=(State.PENDING, State.RETRYING, State.WAITING), due_at__lte=now if now is not None else UtcNow()
         )
 
     def stuck(self, now: Any = None) -> ExecutionQuerySet:
