@@ -303,6 +303,9 @@ class Execution(models.Model):
             models.Index(fields=["created_at"], name="tp_exec_created"),
             # Retention and the console's per-hour chart look rows up by finish time.
             models.Index(fields=["state", "finished_at"], name="tp_exec_state_finished"),
+            # The console's trigger filter, newest first: without it a trigger few rows have (an
+            # operator's, a flow's) read the whole ledger, 334 ms at p95 at a million rows.
+            models.Index(fields=["trigger", "id"], name="tp_exec_trigger"),
         ]
 
     def __str__(self) -> str:
