@@ -220,11 +220,39 @@ def wait_for_boundary(through: float, lead: float = 25.0) -> datetime:
     return datetime.fromtimestamp(boundary, UTC)
 
 
-def run_load(kind: str, n: int, seconds: float, mix: bool = False, through: float = 0) -> dict[str, Any]:
+#: ``--start``: how the measured LockedScheduler starts. ``cold``: a first start on a schedule no
+#: leader ran (no cursor); ``restart``: another leader ran first until every cursor was written,
+#: then stopped cleanly; ``last-run``: a site switching from django-celery-beat's
+#: ``DatabaseScheduler``, every entry with a ``last_run_at`` 30 s back and no cursor.
+STARTS = ("cold", "restart", "last-run")
+
+
+def prepare_start(start: str) -> None:
+    """Bring the schedule ``populate`` wrote to the state ``start`` names (``STARTS``)."""
+    from django_celery_beat.models import PeriodicTask
+
+    from taskplatform.models import ScheduleCursor
+
+    if start == "last-run":
+        PeriodicTask.objects.update(last_run_at=datetime.now(UTC) - timedelta(seconds=30))
+    elif start == "restart":
+        first = build("locked")
+        deadline = time.monotonic() + 120
+        entries = PeriodicTask.objects.count()
+        while ScheduleCursor.objects.count() < entries and time.monotonic() < deadline:
+            time.sleep(max(0.0, first.tick() or 0.0))
+        first.close()  # a clean stop: the lease is released
+
+
+def run_load(
+    kind: str, n: int, seconds: float, mix: bool = False, through: float = 0, start: str = "cold"
+) -> dict[str, Any]:
     reset()
     _MADE.clear()
     populate(kind, n, every=60, mix=mix)
     settle()
+    if kind == "locked" and start != "cold":
+        prepare_start(start)
     boundary = wait_for_boundary(through) if through else None
     t0, m0 = time.perf_counter(), time.monotonic()
     scheduler = build(kind)
@@ -264,6 +292,8 @@ def run_load(kind: str, n: int, seconds: float, mix: bool = False, through: floa
     }
     if boundary is not None:
         result["through"] = boundary.isoformat()
+    if kind == "locked":
+        result["start"] = start
     if kind == "locked":
         result.update(lateness_of_ledger(started_wall))
     return result
@@ -437,6 +467,11 @@ def main() -> None:
         "--failover-jobs", type=int, default=0,
         help="also the failover of locked with this many jobs of the mixed schedule (their slots checked)",
     )  # fmt: skip
+    parser.add_argument(
+        "--start", choices=STARTS, default="cold",
+        help="how LockedScheduler starts: a first start, a restart after a leader wrote every cursor, or a "
+        "switch from DatabaseScheduler (every entry with a last_run_at)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     parser.add_argument("--mix", action="store_true", help="the mixed schedule (schedule_of), locked only")
     parser.add_argument(
@@ -461,7 +496,8 @@ def main() -> None:
     loads = []
     for n in (int(x) for x in args.jobs.split(",")):
         for kind in kinds:
-            result = run_load(kind, n, args.seconds, mix=args.mix and kind == "locked", through=args.through)
+            mix = args.mix and kind == "locked"
+            result = run_load(kind, n, args.seconds, mix=mix, through=args.through, start=args.start)
             loads.append(result)
             print(json.dumps(result), flush=True)
     failovers = []
