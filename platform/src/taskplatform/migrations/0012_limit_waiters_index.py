@@ -10,6 +10,8 @@ by the next ``migrate``, the invalid index it left dropped first.
 
 from django.db import migrations
 
+from ._concurrently import create_index_concurrently
+
 INDEX = "tp_exec_waiting_limit"
 COLUMNS = '("waiting_on_limit", "id") WHERE "state" = \'WAITING\''
 
@@ -27,17 +29,8 @@ def create(apps, schema_editor):
             )
     elif vendor == "postgresql":
         # CONCURRENTLY: the ledger stays readable and writable while the index is built (a
-        # plain CREATE INDEX holds off every claim and renewal for the whole scan). A build
-        # that failed part-way leaves an invalid index, which IF NOT EXISTS would keep.
-        with schema_editor.connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT NOT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s",
-                [INDEX],
-            )
-            row = cursor.fetchone()
-        if row is not None and row[0]:
-            schema_editor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {INDEX}")
-        schema_editor.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {INDEX} ON taskplatform_execution {COLUMNS}")
+        # plain CREATE INDEX holds off every claim and renewal for the whole scan).
+        create_index_concurrently(schema_editor, INDEX, "taskplatform_execution", COLUMNS)
 
 
 def drop(apps, schema_editor):

@@ -12,6 +12,8 @@ secondary index online by default; SQLite has no concurrent writers to spare.
 
 from django.db import migrations, models
 
+from ._concurrently import create_index_concurrently
+
 INDEX = "tp_exec_trigger"
 COLUMNS = '("trigger", "id")'
 
@@ -21,15 +23,7 @@ def create(apps, schema_editor):
         Execution = apps.get_model("taskplatform", "Execution")
         schema_editor.add_index(Execution, models.Index(fields=["trigger", "id"], name=INDEX))
         return
-    with schema_editor.connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT NOT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s",
-            [INDEX],
-        )
-        row = cursor.fetchone()
-    if row is not None and row[0]:
-        schema_editor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {INDEX}")
-    schema_editor.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {INDEX} ON taskplatform_execution {COLUMNS}")
+    create_index_concurrently(schema_editor, INDEX, "taskplatform_execution", COLUMNS)
 
 
 def drop(apps, schema_editor):
