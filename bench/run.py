@@ -60,6 +60,7 @@ VARIANTS = {
     "ledger_delay": "taskplatform IdempotentTask + plain .delay() (worker makes row)",
     "procrastinate": "Procrastinate (PostgreSQL queue, Django contrib)",
     "floor": "plain Celery + two prepared one-row commits a task (the floor)",
+    "floor_submit": "plain Celery + a one-row commit before publishing, two in the worker (submit()'s floor)",
     "limited": "taskplatform submit() under a concurrency limit of 4 (database lock backend)",
     "limited_redis": "taskplatform submit() under a concurrency limit of 4 (Redis lock backend)",
 }
@@ -197,6 +198,10 @@ def publisher(variant: str, body: str = "noop") -> Any:
     tasks = TASKS[body]
     if variant in ("ledger", "limited", "limited_redis"):
         return lambda i: submit(tasks["ledger"], [i])
+    if variant == "floor_submit":
+        from bench.benchapp.bodies import commit_pending
+
+        return lambda i: tasks["floor_submit"].delay(i, commit_pending(i))
     family = {
         "plain": "plain",
         "dcr": "dcr",
@@ -221,7 +226,7 @@ def verify(variant: str, body: str, n: int) -> str:
         checks.append(f"{BenchEffect.objects.count()}/{n} rows written")
     if variant in LEDGER_VARIANTS:
         checks.append(f"{Execution.objects.filter(state='SUCCEEDED').count()}/{n} executions SUCCEEDED")
-    elif variant == "floor":
+    elif variant in ("floor", "floor_submit"):
         checks.append(f"{BenchFloor.objects.filter(state='SUCCEEDED').count()}/{n} floor rows SUCCEEDED")
     elif variant.startswith("dcr"):
         checks.append(f"{TaskResult.objects.filter(status='SUCCESS').count()}/{n} results stored")

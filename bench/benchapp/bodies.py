@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 #: Length of the ``cpu1ms`` busy loop and of the ``io10ms`` sleep (seconds).
 CPU_SECONDS = 0.001
@@ -61,6 +62,35 @@ def two_commits(i: int) -> None:
         )
         (row_id,) = cur.fetchone()
         cur.execute("UPDATE benchapp_benchfloor SET state = 'SUCCEEDED' WHERE id = %s", (row_id,), prepare=True)
+
+
+def _prepared_cursor() -> Any:
+    from django.db import connection
+
+    connection.ensure_connection()
+    conn = connection.connection
+    conn.prepare_threshold = 1_000_000  # Django sets None, which ignores prepare=True
+    return conn.cursor()
+
+
+def commit_pending(i: int) -> int:
+    """The producer's half of the ``floor_submit`` variant: one durable commit of a one-row
+    insert (state PENDING) before the message is published, as ``submit()`` commits its row."""
+    with _prepared_cursor() as cur:
+        cur.execute(
+            "INSERT INTO benchapp_benchfloor (i, state, created_at) VALUES (%s, 'PENDING', now()) RETURNING id",
+            (i,),
+            prepare=True,
+        )
+        (row_id,) = cur.fetchone()
+    return int(row_id)
+
+
+def set_state(row_id: int, state: str) -> None:
+    """One durable commit of a one-row update by key (the worker's claim and success in the
+    ``floor_submit`` variant)."""
+    with _prepared_cursor() as cur:
+        cur.execute("UPDATE benchapp_benchfloor SET state = %s WHERE id = %s", (state, row_id), prepare=True)
 
 
 BODIES: dict[str, Callable[[int], int]] = {"noop": noop, "cpu1ms": cpu1ms, "io10ms": io10ms, "write": write}

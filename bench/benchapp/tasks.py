@@ -13,7 +13,7 @@ from celery import Task, current_app, shared_task
 from celery_once import QueueOnce
 from django.conf import settings
 
-from bench.benchapp.bodies import ATOMIC_BODIES, BODIES, two_commits
+from bench.benchapp.bodies import ATOMIC_BODIES, BODIES, set_state, two_commits
 from taskplatform.tasks import IdempotentTask
 
 # celery-once reads its configuration from the app (not the CELERY_ namespace).
@@ -38,6 +38,12 @@ def _register(body_name: str) -> dict[str, Task]:
         two_commits(i)
         return result
 
+    def run_floor_submit(i: int, row_id: int) -> int:
+        set_state(row_id, "RUNNING")
+        result = body(i)
+        set_state(row_id, "SUCCEEDED")
+        return result
+
     return {
         "plain": shared_task(name=f"bench.plain_{body_name}", ignore_result=True)(run),
         "dcr": shared_task(name=f"bench.dcr_{body_name}", ignore_result=False)(run),
@@ -45,6 +51,7 @@ def _register(body_name: str) -> dict[str, Task]:
             name=f"bench.once_{body_name}", base=QueueOnce, once={"graceful": True}, ignore_result=True
         )(run),
         "floor": shared_task(name=f"bench.floor_{body_name}", ignore_result=True)(run_floor),
+        "floor_submit": shared_task(name=f"bench.floor_submit_{body_name}", ignore_result=True)(run_floor_submit),
         "ledger": shared_task(
             name=f"bench.ledger_{body_name}", base=IdempotentTask, bind=True, atomic=body_name in ATOMIC_BODIES
         )(run_bound),

@@ -352,11 +352,26 @@ def _decoded(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def _celerys_own(execution: Execution, task_id: str) -> None:
+    """The message Celery's ``send_task`` builds for ``execution``, with the ledger's options."""
+    from celery import current_app
+
+    from taskplatform.core.publisher import message_options
+
+    current_app.send_task(
+        execution.task_name,
+        args=execution.args,
+        kwargs=execution.kwargs,
+        **message_options(execution, task_id=task_id, countdown=None),
+    )
+
+
 @pytest.mark.parametrize("sent_events", [False, True], ids=["no-sent-events", "sent-events"])
-def test_a_batch_publishes_the_message_publish_would_send(broker, sent_events, monkeypatch):
-    """The batch sender builds one message per task with Celery and changes only the ids,
-    arguments and ledger headers per message: for the same execution and task id, its
-    message, its ``before_task_publish`` signal and its ``task-sent`` event are ``publish()``'s."""
+def test_publish_and_a_batch_send_the_message_celery_would_send(broker, sent_events, monkeypatch):
+    """``publish`` and the batch sender build one message per shape with Celery and change only
+    the ids, arguments and ledger headers per message: for the same execution and task id, the
+    message, the ``before_task_publish`` signal and the ``task-sent`` event are those of
+    Celery's own ``send_task``, for a first publication and for one from a kept prototype."""
     from celery import current_app
     from celery.signals import before_task_publish
 
@@ -384,21 +399,26 @@ def test_a_batch_publishes_the_message_publish_would_send(broker, sent_events, m
     events.get_message(timeout=5)  # the subscription's confirmation
     before_task_publish.connect(record, weak=False)
     try:
-        assert publish(execution, task_id="same-id")
-        with monkeypatch.context() as patch:  # the batch builds its own message, not through send_task
+        _celerys_own(execution, "same-id")
+        with monkeypatch.context() as patch:  # built from prototypes, not through send_task
             patch.setattr(current_app, "send_task", lambda *a, **kw: pytest.fail("send_task called"))
+            assert publish(execution, task_id="same-id")
+            assert publish(execution, task_id="same-id")  # the thread's prototype, kept
             assert publish_many([(execution, "same-id", None)])
     finally:
         before_task_publish.disconnect(record)
-    one, other = broker.messages()
-    assert _decoded(one) == _decoded(other)
-    assert one["headers"]["tp_key"] == execution.idempotency_key and one["headers"]["timelimit"] == [9, 5]
-    assert one["headers"]["tp_lease"] == 7  # the job's lease, for the first claim (``HEADER_LEASE``)
-    assert one["properties"]["priority"] == 3
-    assert len(signalled) == 2 and json.dumps(signalled[0], default=str) == json.dumps(signalled[1], default=str)
+    celerys, *ours = broker.messages()
+    assert len(ours) == 3
+    for message in ours:
+        assert _decoded(message) == _decoded(celerys)
+    assert celerys["headers"]["tp_key"] == execution.idempotency_key and celerys["headers"]["timelimit"] == [9, 5]
+    assert celerys["headers"]["tp_lease"] == 7  # the job's lease, for the first claim (``HEADER_LEASE``)
+    assert celerys["properties"]["priority"] == 3
+    assert len(signalled) == 4
+    assert all(json.dumps(s, default=str) == json.dumps(signalled[0], default=str) for s in signalled)
 
     sent: list[dict[str, Any]] = []
-    while sent_events and len(sent) < 2:
+    while sent_events and len(sent) < 4:
         event = events.get_message(timeout=10)
         assert event is not None, "a task-sent event is missing"
         if event["type"] == "pmessage":
@@ -406,7 +426,82 @@ def test_a_batch_publishes_the_message_publish_would_send(broker, sent_events, m
             sent.append({k: v for k, v in body.items() if k not in ("timestamp", "clock", "local_received")})
     events.close()
     if sent_events:
-        assert sent[0] == sent[1] and sent[0]["uuid"] == "same-id" and sent[0]["queue"] == broker.name
+        assert all(s == sent[0] for s in sent) and sent[0]["uuid"] == "same-id" and sent[0]["queue"] == broker.name
+
+
+def test_a_setting_assigned_between_two_publications_is_in_the_second_message(broker, monkeypatch):
+    """``publish`` keeps the thread's prototypes between calls, and drops them when a setting
+    is assigned: the second message carries the new setting (here: the ``task-sent`` event)."""
+    from celery import current_app
+
+    from taskplatform.core.publisher import publish
+
+    monkeypatch.setitem(current_app.conf, "task_send_sent_event", False)
+    execution = submit(EFFECT, args=[1], queue=broker.name, on_commit=False)
+    events = broker.client.pubsub()
+    events.psubscribe("*celeryev*")
+    events.get_message(timeout=5)
+    assert publish(execution, task_id="before")
+    monkeypatch.setitem(current_app.conf, "task_send_sent_event", True)
+    assert publish(execution, task_id="after")
+    sent = []
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        event = events.get_message(timeout=1)
+        if event is not None and event["type"] == "pmessage":
+            sent.append(json.loads(base64.b64decode(json.loads(event["data"])["body"]))["uuid"])
+    events.close()
+    assert sent == ["after"]
+    assert [m["headers"]["id"] for m in broker.messages()][-2:] == ["before", "after"]
+
+
+def test_publish_declares_the_queue_again_on_a_new_broker_connection(broker):
+    """A kept prototype skips the queue's declaration only while the connection has it: on a
+    new connection the next publication declares the queue again (on Redis, the binding kombu
+    routes by)."""
+    from taskplatform.core.publisher import publish
+
+    execution = submit(EFFECT, args=[1], queue=broker.name, on_commit=False)
+    binding = f"_kombu.binding.{broker.name}"
+    assert broker.client.exists(binding)
+    broker.client.delete(binding)
+    assert publish(execution, task_id="same-connection")
+    assert not broker.client.exists(binding)  # declared on this connection already: not again
+    from celery import current_app
+    from kombu import pools
+
+    pools.reset()  # every producer and connection pool closed and forgotten: new connections
+    current_app._pool = None
+    current_app.amqp._producer_pool = None
+    assert publish(execution, task_id="new-connection")
+    assert broker.client.exists(binding)
+    assert [m["headers"]["id"] for m in broker.messages()][-2:] == ["same-connection", "new-connection"]
+
+
+def test_publish_inside_a_running_task_names_it_as_the_parent(broker):
+    """Inside a running task, ``publish`` lets Celery build the message: its parent and root
+    ids are the task's (a kept prototype would carry none, or another task's)."""
+    from celery import current_app
+
+    from taskplatform.core.publisher import publish
+
+    execution = submit(EFFECT, args=[1], queue=broker.name, on_commit=False)
+    assert publish(execution, task_id="outside")
+
+    from celery._state import _task_stack
+
+    running = current_app.tasks[EFFECT]
+    running.push_request(id="parent-id", root_id="root-id", delivery_info={}, called_directly=False)
+    _task_stack.push(running)
+    try:
+        assert current_app.current_worker_task is running
+        assert publish(execution, task_id="inside")
+    finally:
+        _task_stack.pop()
+        running.pop_request()
+    outside, inside = broker.messages()[-2:]
+    assert outside["headers"]["parent_id"] is None and outside["headers"]["root_id"] == "outside"
+    assert inside["headers"]["parent_id"] == "parent-id" and inside["headers"]["root_id"] == "root-id"
 
 
 def test_jobs_share_a_message_prototype_only_when_their_limits_are_the_same(broker):
