@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from taskplatform.core import _pg, ledger
 from taskplatform.domain.states import State
-from taskplatform.models import EventKind, Execution, ExecutionEvent, Trigger
+from taskplatform.models import EventKind, Execution, ExecutionEvent, JobDefinition, Trigger
 from tests.ledger.test_ledger import claim, new
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -69,9 +69,8 @@ def test_a_plain_calls_create_and_claim_writes_the_row_the_portable_path_wrote()
         started_at=mark,
     )  # fmt: skip
     a, b = Execution.objects.get(idempotency_key="fast"), Execution.objects.get(idempotency_key="portable")
-    same = ("task_name", "args", "kwargs", "queue", "priority", "trigger", "state", "attempts", "fencing_token",
-            "max_attempts", "worker", "celery_task_id", "scheduled_for", "due_at", "publish_count", "started_at",
-            "finished_at", "result", "last_error", "job_id")  # fmt: skip
+    own = {"id", "idempotency_key", "created_at", "updated_at", "lease_expires_at"}
+    same = tuple(f.attname for f in Execution._meta.concrete_fields if f.attname not in own)
     assert {f: getattr(a, f) for f in same} == {f: getattr(b, f) for f in same}
     assert a.state == State.RUNNING and a.due_at is None and a.started_at == mark
     assert a.lease_expires_at is not None and b.lease_expires_at is not None
@@ -85,6 +84,31 @@ def test_a_plain_calls_create_and_claim_writes_the_row_the_portable_path_wrote()
     shape = [(e.from_state, e.to_state, e.attempt, e.fencing_token, e.actor, e.data) for e in events]
     assert shape[0] == shape[1]
     assert events[0].at == mark
+
+
+def test_a_plain_calls_create_and_claim_stores_every_field_of_its_spec() -> None:
+    """``create_claimed`` binds the spec's own fields and takes the model's defaults for the
+    rest (prepared once): a job given as its object, a flow, a trace context, a priority and a
+    scheduled time all land in the row, and the columns the spec does not set hold the defaults."""
+    pg_only()
+    job = JobDefinition.objects.create(slug="fast-job", task="testapp.effect")
+    slot = timezone.now() - timedelta(minutes=1)
+    full = ledger.NewExecution(
+        idempotency_key="full", task_name="testapp.effect", args=[3], kwargs={"c": 4}, trigger=Trigger.BEAT,
+        job=job, queue="reports", priority=7, scheduled_for=slot, celery_task_id="t-9", publish_count=1,
+        trace_context="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", flow_id=42,
+    )  # fmt: skip
+    created = ledger.create_claimed(full, worker="node-a:1", celery_task_id="t-9", lease_seconds=60, started_at=slot)
+    assert created is not None
+    row = Execution.objects.get(idempotency_key="full")
+    assert (row.job_id, row.queue, row.priority, row.scheduled_for, row.flow_id, row.trace_context) == (
+        job.pk, "reports", 7, slot, 42, full.trace_context
+    )
+    assert (row.trigger, row.args, row.kwargs, row.publish_count) == (Trigger.BEAT, [3], {"c": 4}, 1)
+    defaults = Execution()
+    for name in ("result", "last_error", "last_traceback", "finished_at", "waiting_on_limit", "limit_backoffs"):
+        assert getattr(row, name) == getattr(defaults, name), name
+    assert created.execution.job_id == job.pk and created.execution.flow_id == 42
 
 
 def test_a_plain_calls_lease_is_the_database_clock_not_the_workers() -> None:

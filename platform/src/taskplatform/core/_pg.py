@@ -64,13 +64,31 @@ def _raw_cursor_allowed(db: BaseDatabaseWrapper) -> bool:
     tenant, query metrics), and only when nothing watches the queries (``DEBUG``'s query log,
     ``CaptureQueriesContext``, execute wrappers) and the connection's time-zone loader is the
     one Django would use (``create_cursor`` registers another per cursor otherwise).
+
+    What watches the queries can change from one statement to the next and is looked at every
+    time; the rest belongs to the wrapper's class and to the psycopg connection, and is worked
+    out once per connection (``_CURSOR_CHECKED``).
     """
-    from django.db.backends.base.base import BaseDatabaseWrapper as Base
-    from django.db.backends.postgresql import base as postgresql
     from django.db.backends.postgresql.psycopg_any import is_psycopg3
 
     if not is_psycopg3 or db.queries_logged or db.execute_wrappers:
         return False
+    conn = db.connection
+    allowed = _CURSOR_CHECKED.get(conn)
+    if allowed is None or allowed[0] is not type(db) or allowed[1] != db.timezone:
+        allowed = _CURSOR_CHECKED[conn] = (type(db), db.timezone, _own_cursor_and_loader(db))
+    return allowed[2]
+
+
+#: psycopg connection → (the wrapper's class, its time zone, whether ``_run`` may use a cursor
+#: of its own on it): what ``_raw_cursor_allowed`` works out once per connection.
+_CURSOR_CHECKED: weakref.WeakKeyDictionary[Any, tuple[type, Any, bool]] = weakref.WeakKeyDictionary()
+
+
+def _own_cursor_and_loader(db: BaseDatabaseWrapper) -> bool:
+    from django.db.backends.base.base import BaseDatabaseWrapper as Base
+    from django.db.backends.postgresql import base as postgresql
+
     kind = type(db)
     own_cursor = getattr(kind, "_cursor", None) is getattr(Base, "_cursor", None)
     if kind.create_cursor is not postgresql.DatabaseWrapper.create_cursor or not own_cursor:
@@ -432,26 +450,47 @@ def _create_claimed_sql() -> tuple[str, tuple[Field[Any, Any], ...]]:
     return sql, fields
 
 
-def create_claimed(execution: Execution, *, lease_seconds: int) -> Execution | None:
-    """Insert ``execution`` already claimed by its first attempt, unless its key exists.
+@cache
+def _constant_values() -> dict[str, Any]:
+    """The model's default of every column, as ``get_db_prep_save`` prepares it: what
+    ``create_claimed`` binds for the columns its caller does not set (they are the same in
+    every new row, so they are prepared once, not field by field for every task)."""
+    template = Execution()
+    db = _db()
+    return {f.attname: f.get_db_prep_save(getattr(template, f.attname), db) for f in Execution._meta.concrete_fields}
+
+
+def create_claimed(values: dict[str, Any], *, lease_seconds: int) -> Execution | None:
+    """Insert a new execution already claimed by its first attempt, unless its key exists.
 
     For a plain Celery call, whose row the worker creates: one statement instead of the
-    portable read, insert, read and claim. ``execution`` carries the attempt (state
-    ``RUNNING``, attempts and token 1, worker, message id, start mark); the lease is the
-    database's clock plus ``lease_seconds``. Returns the execution as stored, or None when
-    the key existed (another delivery of the same call, or a key derived from the arguments
-    that another call holds): the portable claim decides then.
+    portable read, insert, read and claim. ``values`` are the new row's columns by attribute
+    name (``job`` may stand for ``job_id``), with the attempt's (state ``RUNNING``, attempts
+    and token 1, worker, message id, start mark); every other column takes the model's
+    default; the lease is the database's clock plus ``lease_seconds``. No model instance is
+    built before the insert: the one returned is built from the stored row. Returns it, or
+    None when the key existed (another delivery of the same call, or a key derived from the
+    arguments that another call holds): the portable claim decides then.
     """
     sql, fields = _create_claimed_sql()
     db = _db()
-    values = [
-        lease_seconds if f.attname == "lease_expires_at" else f.get_db_prep_save(getattr(execution, f.attname), db)
-        for f in fields
-    ]
-    rows = _run(sql, [*values, lease_seconds])
+    constants = _constant_values()
+    params: list[Any] = []
+    for f in fields:
+        name = f.attname
+        if name == "lease_expires_at":
+            params.append(lease_seconds)
+        elif name in values:
+            params.append(f.get_db_prep_save(values[name], db))
+        elif name != f.name and f.name in values:  # a foreign key given as its object
+            related = values[f.name]
+            params.append(f.get_db_prep_save(None if related is None else related.pk, db))
+        else:
+            params.append(constants[name])
+    rows = _run(sql, [*params, lease_seconds])
     if not rows:
         return None
-    return _loaded(rows[0], args=execution.args, kwargs=execution.kwargs, result=None)
+    return _loaded(rows[0], args=values["args"], kwargs=values["kwargs"], result=None)
 
 
 @cache

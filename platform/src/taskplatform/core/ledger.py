@@ -295,15 +295,20 @@ def create_claimed(
     """
     if not fastpath.enabled():
         return None
-    execution = spec.build()
-    execution.state = State.RUNNING
-    execution.attempts = execution.fencing_token = 1
-    execution.worker = worker[:255]
-    execution.celery_task_id = celery_task_id[:255]
-    execution.started_at = started_at
-    execution.created_at = execution.updated_at = timezone.now()
-    execution.due_at = None
-    stored = fastpath.create_claimed(execution, lease_seconds=lease_seconds)
+    now = timezone.now()
+    values = spec.columns()
+    values.update(
+        state=State.RUNNING,
+        attempts=1,
+        fencing_token=1,
+        worker=worker[:255],
+        celery_task_id=celery_task_id[:255],
+        started_at=started_at,
+        created_at=now,
+        updated_at=now,
+        due_at=None,
+    )
+    stored = fastpath.create_claimed(values, lease_seconds=lease_seconds)
     if stored is None:
         return None
     return Claim("claimed", stored, lease_seconds=lease_seconds)

@@ -60,6 +60,12 @@ class NewExecution:
     trace_context: str = ""
     flow_id: int | None = None
 
+    def columns(self) -> dict[str, Any]:
+        """The new row's values by field name, as ``build`` sets them (a fresh dict)."""
+        values = dict(vars(self))
+        values["state"] = State.PENDING
+        return values
+
     def build(self) -> Execution:
         return Execution(
             idempotency_key=self.idempotency_key,
