@@ -102,7 +102,12 @@ def test_a_plain_calls_create_and_claim_stores_every_field_of_its_spec() -> None
     assert created is not None
     row = Execution.objects.get(idempotency_key="full")
     assert (row.job_id, row.queue, row.priority, row.scheduled_for, row.flow_id, row.trace_context) == (
-        job.pk, "reports", 7, slot, 42, full.trace_context
+        job.pk,
+        "reports",
+        7,
+        slot,
+        42,
+        full.trace_context,
     )
     assert (row.trigger, row.args, row.kwargs, row.publish_count) == (Trigger.BEAT, [3], {"c": 4}, 1)
     defaults = Execution()
