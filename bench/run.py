@@ -608,7 +608,7 @@ def measure(body: str, variants: list[str], tasks: int, repeat: int) -> dict[str
     best = {
         v: {
             **rs[-1],
-            **{m: statistics.median(r[m] for r in rs) for m in metrics},
+            **{m: round(statistics.median(r[m] for r in rs), 2) for m in metrics},
             "cpu_us_per_task": {
                 g: statistics.median(r["cpu_us_per_task"][g] for r in rs) for g in rs[-1]["cpu_us_per_task"]
             },
