@@ -8,7 +8,8 @@ producer named in the message.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 #: Length of the ``cpu1ms`` busy loop and of the ``io10ms`` sleep (seconds).
@@ -49,12 +50,7 @@ def two_commits(i: int) -> None:
     autocommit (an insert, then an update of that row by key): the least a task can spend on
     recording a start and an end in PostgreSQL. The ``floor`` variant runs it after each body,
     so its ratio bounds any design that commits twice a task (see docs/benchmarks.md)."""
-    from django.db import connection
-
-    connection.ensure_connection()
-    conn = connection.connection
-    conn.prepare_threshold = 1_000_000  # Django sets None, which ignores prepare=True
-    with conn.cursor() as cur:
+    with _prepared_cursor() as cur:
         cur.execute(
             "INSERT INTO benchapp_benchfloor (i, state, created_at) VALUES (%s, 'RUNNING', now()) RETURNING id",
             (i,),
@@ -64,13 +60,23 @@ def two_commits(i: int) -> None:
         cur.execute("UPDATE benchapp_benchfloor SET state = 'SUCCEEDED' WHERE id = %s", (row_id,), prepare=True)
 
 
-def _prepared_cursor() -> Any:
+@contextmanager
+def _prepared_cursor() -> Iterator[Any]:
+    """A psycopg cursor on Django's connection whose statements may be prepared (Django opens
+    connections with ``prepare_threshold = None``, which ignores ``prepare=True``); the
+    connection's threshold is given back afterwards, so the other variants this process runs
+    (the producer's) are not charged psycopg's bookkeeping of every statement."""
     from django.db import connection
 
     connection.ensure_connection()
     conn = connection.connection
-    conn.prepare_threshold = 1_000_000  # Django sets None, which ignores prepare=True
-    return conn.cursor()
+    previous = conn.prepare_threshold
+    conn.prepare_threshold = 1_000_000
+    try:
+        with conn.cursor() as cur:
+            yield cur
+    finally:
+        conn.prepare_threshold = previous
 
 
 def commit_pending(i: int) -> int:

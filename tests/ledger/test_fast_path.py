@@ -116,6 +116,18 @@ def test_a_plain_calls_create_and_claim_stores_every_field_of_its_spec() -> None
     assert created.execution.job_id == job.pk and created.execution.flow_id == 42
 
 
+def test_every_field_of_a_new_execution_is_a_column_and_no_default_is_frozen() -> None:
+    """``NewExecution.columns()`` feeds the insert by field name: a field the model lacks would
+    be dropped without a word. And a default made afresh for each row (a callable) is never
+    bound as the prepared-once constant (``_pg._constant_values``)."""
+    from dataclasses import fields
+
+    names = {f.name for f in Execution._meta.concrete_fields}
+    assert {f.name for f in fields(ledger.NewExecution)} <= names
+    callables = {f.attname for f in Execution._meta.concrete_fields if callable(f.default)}
+    assert callables and not callables & set(_pg._constant_values())
+
+
 def test_a_plain_calls_lease_is_the_database_clock_not_the_workers() -> None:
     """A worker whose clock is an hour ahead writes the start mark it was given, but the lease
     comes from the database's clock."""

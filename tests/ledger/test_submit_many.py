@@ -455,6 +455,81 @@ def test_a_setting_assigned_between_two_publications_is_in_the_second_message(br
     assert [m["headers"]["id"] for m in broker.messages()][-2:] == ["before", "after"]
 
 
+def test_publish_drops_its_kept_messages_for_a_django_celery_setting_another_app_or_process(broker, monkeypatch):
+    """What Celery reads through Django's settings (``override_settings(CELERY_...)``), a
+    change of current app, or a fork (a message names the process that sent it) each drop
+    the thread's kept prototypes; a second call with nothing changed keeps them."""
+    import os
+
+    from celery import Celery, current_app
+    from django.test import override_settings
+
+    from taskplatform.core import publisher
+
+    kept = publisher._shared_prototypes(current_app)
+    assert kept is not None and publisher._shared_prototypes(current_app) is kept
+    with override_settings(CELERY_TASK_SEND_SENT_EVENT=True):
+        after_override = publisher._shared_prototypes(current_app)
+    assert after_override is not kept
+    before = publisher._shared_prototypes(current_app)
+    original = current_app._get_current_object()
+    Celery("other", set_as_current=True)  # ``current_app``, a proxy, now stands for another app
+    try:
+        assert publisher._shared_prototypes(current_app) is not before
+    finally:
+        original.set_current()
+    here = publisher._shared_prototypes(current_app)
+    monkeypatch.setattr(os, "getpid", lambda: -1)
+    assert publisher._shared_prototypes(current_app) is not here
+
+
+def test_a_receiver_that_changes_a_message_does_not_change_the_next(broker):
+    """The kept prototype's lists and dicts are copied for each message: a
+    ``before_task_publish`` receiver that changes one message's headers leaves the next
+    message of the same shape as Celery would send it."""
+    from celery.signals import before_task_publish
+
+    from taskplatform.core.publisher import publish
+
+    job = JobDefinition.objects.create(slug="limited", task=EFFECT, queue=broker.name, time_limit_seconds=9)
+    execution = submit(job, args=[1], on_commit=False)
+    broker.clear()
+
+    def meddle(headers: dict[str, Any], **_: Any) -> None:
+        headers["timelimit"][0] = 999
+        if isinstance(headers.get("stamps"), dict):
+            headers["stamps"]["meddled"] = True
+
+    before_task_publish.connect(meddle, weak=False)
+    try:
+        assert publish(execution, task_id="first")
+    finally:
+        before_task_publish.disconnect(meddle)
+    assert publish(execution, task_id="second")
+    _celerys_own(execution, "second")
+    first, second, celerys = broker.messages()
+    assert first["headers"]["timelimit"][0] == 999
+    assert _decoded(second) == _decoded(celerys) and second["headers"]["timelimit"] == [9, None]
+
+
+def test_publish_reads_a_job_that_is_not_loaded_each_time(broker):
+    """An execution whose job is not loaded has no kept prototype: a job's lease and time
+    limits changed between two publications are in the second message."""
+    from taskplatform.core.publisher import publish
+
+    job = JobDefinition.objects.create(
+        slug="changing", task=EFFECT, queue=broker.name, lease_seconds=7, time_limit_seconds=9
+    )
+    execution = submit(job, args=[1], on_commit=False)
+    broker.clear()
+    assert publish(Execution.objects.get(pk=execution.pk), task_id="before")
+    JobDefinition.objects.filter(pk=job.pk).update(lease_seconds=11, time_limit_seconds=13)
+    assert publish(Execution.objects.get(pk=execution.pk), task_id="after")
+    before, after = broker.messages()
+    assert (before["headers"]["tp_lease"], before["headers"]["timelimit"]) == (7, [9, None])
+    assert (after["headers"]["tp_lease"], after["headers"]["timelimit"]) == (11, [13, None])
+
+
 def test_publish_declares_the_queue_again_on_a_new_broker_connection(broker):
     """A kept prototype skips the queue's declaration only while the connection has it: on a
     new connection the next publication declares the queue again (on Redis, the binding kombu
@@ -476,6 +551,32 @@ def test_publish_declares_the_queue_again_on_a_new_broker_connection(broker):
     assert publish(execution, task_id="new-connection")
     assert broker.client.exists(binding)
     assert [m["headers"]["id"] for m in broker.messages()][-2:] == ["same-connection", "new-connection"]
+
+
+def test_the_queue_declaration_is_skipped_only_on_redis_for_a_direct_queue(broker):
+    """kombu repeats a publication's ``declare`` after a reconnect within its retry; skipping
+    it is only safe where nothing needs declaring to deliver: Redis, a queue of a direct
+    exchange (sent by its name). Another transport (here kombu's in-memory one, for RabbitMQ's
+    case) or a topic exchange gets Celery's declaration even when kombu records it declared."""
+    from kombu import Connection, Exchange, Producer, Queue
+
+    from taskplatform.core.publisher import _declared
+
+    direct, topic = (
+        Queue(broker.name, Exchange(broker.name, "direct")),
+        Queue(broker.name + "t", Exchange("t", "topic")),
+    )
+    with Connection(settings.CELERY_BROKER_URL) as redis_conn, Connection("memory://") as memory_conn:
+        for conn in (redis_conn, memory_conn):
+            producer = Producer(conn.default_channel)
+            for queue in (direct, topic):
+                queue(producer.channel).declare()
+                conn.declared_entities.add(hash(queue))
+        redis_producer, memory_producer = Producer(redis_conn.default_channel), Producer(memory_conn.default_channel)
+        assert _declared(redis_producer, direct)
+        assert not _declared(redis_producer, topic)
+        assert not _declared(memory_producer, direct)
+    broker.client.delete(f"_kombu.binding.{broker.name}", "_kombu.binding.t")
 
 
 def test_publish_inside_a_running_task_names_it_as_the_parent(broker):

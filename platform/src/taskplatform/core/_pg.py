@@ -73,16 +73,18 @@ def _raw_cursor_allowed(db: BaseDatabaseWrapper) -> bool:
 
     if not is_psycopg3 or db.queries_logged or db.execute_wrappers:
         return False
-    conn = db.connection
+    conn, kind = db.connection, type(db)
+    seen = (kind, kind.create_cursor, getattr(kind, "_cursor", None), db.timezone)
     allowed = _CURSOR_CHECKED.get(conn)
-    if allowed is None or allowed[0] is not type(db) or allowed[1] != db.timezone:
-        allowed = _CURSOR_CHECKED[conn] = (type(db), db.timezone, _own_cursor_and_loader(db))
-    return allowed[2]
+    if allowed is None or allowed[0] != seen:
+        allowed = _CURSOR_CHECKED[conn] = (seen, _own_cursor_and_loader(db))
+    return allowed[1]
 
 
-#: psycopg connection → (the wrapper's class, its time zone, whether ``_run`` may use a cursor
-#: of its own on it): what ``_raw_cursor_allowed`` works out once per connection.
-_CURSOR_CHECKED: weakref.WeakKeyDictionary[Any, tuple[type, Any, bool]] = weakref.WeakKeyDictionary()
+#: psycopg connection → (what the answer depends on besides the connection: the wrapper's
+#: class, its cursor methods, which something may patch, and its time zone; whether ``_run``
+#: may use a cursor of its own on it): what ``_raw_cursor_allowed`` works out once per connection.
+_CURSOR_CHECKED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], bool]] = weakref.WeakKeyDictionary()
 
 
 def _own_cursor_and_loader(db: BaseDatabaseWrapper) -> bool:
@@ -457,7 +459,11 @@ def _constant_values() -> dict[str, Any]:
     every new row, so they are prepared once, not field by field for every task)."""
     template = Execution()
     db = _db()
-    return {f.attname: f.get_db_prep_save(getattr(template, f.attname), db) for f in Execution._meta.concrete_fields}
+    return {
+        f.attname: f.get_db_prep_save(getattr(template, f.attname), db)
+        for f in Execution._meta.concrete_fields
+        if not callable(f.default)  # a default made afresh for each row (``list``, a clock): not a constant
+    }
 
 
 def create_claimed(values: dict[str, Any], *, lease_seconds: int) -> Execution | None:
@@ -485,8 +491,10 @@ def create_claimed(values: dict[str, Any], *, lease_seconds: int) -> Execution |
         elif name != f.name and f.name in values:  # a foreign key given as its object
             related = values[f.name]
             params.append(f.get_db_prep_save(None if related is None else related.pk, db))
-        else:
+        elif name in constants:
             params.append(constants[name])
+        else:  # a default made afresh for each row
+            params.append(f.get_db_prep_save(f.get_default(), db))
     rows = _run(sql, [*params, lease_seconds])
     if not rows:
         return None

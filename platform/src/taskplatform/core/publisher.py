@@ -10,6 +10,7 @@ A publication never waits for a result backend: see ``message_options``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from django.core.signals import setting_changed
 from django.db import transaction
 
 from .. import tracing
@@ -121,6 +123,7 @@ class _Shared(threading.local):
     under (``_shared_prototypes``)."""
 
     fingerprint: tuple[Any, ...] = ()
+    settings: tuple[Any, ...] = ()  # the settings' values, held so that their ids stay theirs
     prototypes: dict[tuple[Any, ...], _Prototype | None]
 
     def __init__(self) -> None:
@@ -129,23 +132,39 @@ class _Shared(threading.local):
 
 _SHARED = _Shared()
 
+#: Bumped whenever Django changes a ``CELERY_*`` setting (``override_settings``), which Celery
+#: reads through its configuration's Django layer, not through ``conf.changes``.
+_DJANGO_CELERY_SETTINGS = [0]
+
+
+def _on_setting_changed(*, setting: str, **_: Any) -> None:
+    if setting.startswith("CELERY"):
+        _DJANGO_CELERY_SETTINGS[0] += 1
+
+
+setting_changed.connect(_on_setting_changed, dispatch_uid="taskplatform.publisher.prototypes")
+
 
 def _shared_prototypes(app: Any) -> dict[tuple[Any, ...], _Prototype | None] | None:
     """The calling thread's prototypes for ``publish`` (per thread: a message names the
     thread's ``reply_to``), or None inside a running task (its ids go into each message).
 
-    They are dropped whenever the app's configuration may have changed what a prototype holds:
-    another app, or a setting assigned (every setting's identity is compared, which costs
-    about a microsecond). A setting's value changed in place (an item added to a routes dict
-    that is already set) is not seen; assign the setting anew.
+    They are dropped whenever what a prototype holds may have changed: another app, another
+    process (a message names the process that sent it: ``origin``), a setting assigned on the
+    app (every setting's identity is compared, about a microsecond), or a ``CELERY_*`` Django
+    setting changed (``override_settings``). Not seen: a setting's value changed in place (an
+    item added to a routes dict already set, ``app.amqp.queues.add``) or a task's attribute
+    assigned at run time; assign the setting anew.
     """
     if app.current_worker_task is not None:
         return None
+    app = getattr(app, "_get_current_object", lambda: app)()  # ``current_app`` is a proxy
     changes = app.conf.changes
-    fingerprint = (id(app), tuple(changes), tuple(map(id, changes.values())))
+    values = tuple(changes.values())
+    fingerprint = (app, os.getpid(), _DJANGO_CELERY_SETTINGS[0], tuple(changes), tuple(map(id, values)))
     shared = _SHARED
     if shared.fingerprint != fingerprint:
-        shared.fingerprint, shared.prototypes = fingerprint, {}
+        shared.fingerprint, shared.settings, shared.prototypes = fingerprint, values, {}
     return shared.prototypes
 
 
@@ -295,7 +314,10 @@ class _BatchSender:
         argsrepr = _plain_repr(args, argsize) or saferepr(args, argsize, maxlevels=self.repr_levels)
         kwargsrepr = _plain_repr(kwargs, kwargsize) or saferepr(kwargs, kwargsize, maxlevels=self.repr_levels)
         root_id = headers0["root_id"] if headers0["parent_id"] else task_id
-        headers = dict(headers0)
+        headers = dict(headers0)  # and its lists and dicts copied: a receiver may change them
+        headers.update(
+            {k: (v.copy() if type(v) in (dict, list) else v) for k, v in headers0.items() if type(v) in (dict, list)}
+        )
         headers.update(id=task_id, root_id=root_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr)
         headers[HEADER_EXECUTION] = execution.pk
         headers[HEADER_KEY] = execution.idempotency_key
@@ -316,26 +338,33 @@ class _BatchSender:
             retry = None
             if prototype.fixed_queue and _declared(self.producer, routed["queue"]):
                 routed = dict(routed, declare=[])  # on this connection already (``publish``)
-        elif prototype.fixed_queue:  # declared with the first message: not with every message
+        elif prototype.fixed_queue and retry is False:
+            # Inside a batch that kombu buffers (no retry, so no reconnect within it): declared
+            # with the first message, not with every message. Where kombu retries a
+            # publication, it reconnects and repeats the same ``declare``: Celery's, then.
             routed = dict(routed, declare=[])  # a list of its own: kombu may append to it
         self.amqp.send_task_message(
             self.producer,
             execution.task_name,
-            (headers, properties, (args, kwargs, body0[2]), event),
+            (headers, properties, (args, kwargs, dict(body0[2])), event),
             retry=retry,
             **routed,
         )
 
 
 def _declared(producer: Any, queue: Any) -> bool:
-    """Whether ``queue`` is declared on the producer's connection, as kombu's ``maybe_declare``
-    records it (a new connection starts with no record, so the queue is declared again after a
-    reconnect). kombu binds a copy of the queue, and of its exchange, to the channel before it
-    looks at that record: most of the cost of a declaration that does nothing."""
-    connection = getattr(producer, "connection", None)
+    """Whether a publication of ``queue`` may skip its declaration: on Redis, for a queue of a
+    direct exchange (Celery sends it by the queue's name, which needs nothing declared), once
+    kombu records the queue as declared on the producer's connection (a new connection starts
+    with no record). kombu binds a copy of the queue, and of its exchange, to the channel
+    before it looks at that record: most of the cost of a declaration that does nothing.
+    Elsewhere (RabbitMQ: a retry after a reconnect must declare again) Celery's declaration."""
+    connection: Any = getattr(producer, "connection", None)
     declared = getattr(connection, "declared_entities", None)
     if declared is None or not getattr(connection, "connected", False):
         return False  # not connected yet: the publication connects and declares, Celery's way
+    if getattr(connection.transport, "driver_type", None) != "redis" or queue.exchange.type != "direct":
+        return False
     return bool(queue.can_cache_declaration) and hash(queue) in declared
 
 
