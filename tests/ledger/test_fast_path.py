@@ -116,6 +116,22 @@ def test_a_plain_calls_create_and_claim_stores_every_field_of_its_spec() -> None
     assert created.execution.job_id == job.pk and created.execution.flow_id == 42
 
 
+def test_a_cursor_method_patched_on_the_wrapper_class_is_seen_by_the_next_statement(monkeypatch) -> None:
+    """``_raw_cursor_allowed`` works its checks out once per connection, keyed by the
+    wrapper's class and cursor methods: a ``create_cursor`` patched on the wrapper's class
+    after a first statement (an APM agent on a project's own backend) sends the next hot
+    statement through Django's cursor."""
+    pg_only()
+    db = _pg._db()
+    db.ensure_connection()
+    own_backend = type("ProjectWrapper", (type(db),), {})  # a project's backend, nothing overridden yet
+    monkeypatch.setattr(db, "__class__", own_backend)
+    assert _pg._raw_cursor_allowed(db)
+    original = own_backend.create_cursor
+    monkeypatch.setattr(own_backend, "create_cursor", lambda self, name=None: original(self, name))
+    assert not _pg._raw_cursor_allowed(db)
+
+
 def test_every_field_of_a_new_execution_is_a_column_and_no_default_is_frozen() -> None:
     """``NewExecution.columns()`` feeds the insert by field name: a field the model lacks would
     be dropped without a word. And a default made afresh for each row (a callable) is never
@@ -124,8 +140,11 @@ def test_every_field_of_a_new_execution_is_a_column_and_no_default_is_frozen() -
 
     names = {f.name for f in Execution._meta.concrete_fields}
     assert {f.name for f in fields(ledger.NewExecution)} <= names
-    callables = {f.attname for f in Execution._meta.concrete_fields if callable(f.default)}
-    assert callables and not callables & set(_pg._constant_values())
+    fields_ = Execution._meta.concrete_fields
+    callables = {f.attname for f in fields_ if f.has_default() and callable(f.default)}
+    assert callables == {"args", "kwargs"} and not callables & set(_pg._constant_values())
+    # Every other column is prepared once, those without a default included.
+    assert set(_pg._constant_values()) == {f.attname for f in fields_} - callables
 
 
 def test_a_plain_calls_lease_is_the_database_clock_not_the_workers() -> None:

@@ -558,7 +558,7 @@ def test_the_queue_declaration_is_skipped_only_on_redis_for_a_direct_queue(broke
     it is only safe where nothing needs declaring to deliver: Redis, a queue of a direct
     exchange (sent by its name). Another transport (here kombu's in-memory one, for RabbitMQ's
     case) or a topic exchange gets Celery's declaration even when kombu records it declared."""
-    from kombu import Connection, Exchange, Producer, Queue
+    from kombu import Connection, Exchange, Producer, Queue, binding
 
     from taskplatform.core.publisher import _declared
 
@@ -573,10 +573,18 @@ def test_the_queue_declaration_is_skipped_only_on_redis_for_a_direct_queue(broke
                 queue(producer.channel).declare()
                 conn.declared_entities.add(hash(queue))
         redis_producer, memory_producer = Producer(redis_conn.default_channel), Producer(memory_conn.default_channel)
-        assert _declared(redis_producer, direct)
-        assert not _declared(redis_producer, topic)
-        assert not _declared(memory_producer, direct)
-    broker.client.delete(f"_kombu.binding.{broker.name}", "_kombu.binding.t")
+        try:
+            assert _declared(redis_producer, {"queue": direct})
+            assert not _declared(redis_producer, {"queue": topic})
+            assert not _declared(memory_producer, {"queue": direct})
+            # A task with an exchange and routing key of its own is sent through the exchange.
+            assert not _declared(redis_producer, {"queue": direct, "exchange": broker.name, "routing_key": "x"})
+            # A queue of several bindings has no exchange of its own (kombu sets None).
+            several = Queue(broker.name + "s", bindings=[binding(Exchange("a", "direct"), routing_key="a")])
+            redis_conn.declared_entities.add(hash(several))
+            assert several.exchange is None and not _declared(redis_producer, {"queue": several})
+        finally:
+            broker.client.delete(f"_kombu.binding.{broker.name}", "_kombu.binding.t")
 
 
 def test_publish_inside_a_running_task_names_it_as_the_parent(broker):
@@ -675,14 +683,27 @@ def test_the_statements_do_not_grow_with_the_batch(broker):
 
 def test_a_transport_that_cannot_batch_gets_each_message_at_once(broker, monkeypatch):
     """RabbitMQ, or Redis with client retries (kombu will not batch them): no kombu batch,
-    each message sent on the shared producer with Celery's retry policy."""
+    each message sent on the shared producer with Celery's retry policy, and each with its
+    queue to declare (kombu repeats a publication's declaration after a reconnect within its
+    retry: skipped, a queue lost with the broker would not be declared again)."""
+    from celery.signals import before_task_publish
     from kombu import Producer
 
     monkeypatch.setattr(Producer, "supports_batch_publish", property(lambda self: False))
     monkeypatch.setattr(Producer, "batch", lambda self, **kw: pytest.fail("batch used"))
-    submit_many(EFFECT, [{"idempotency_key": f"nb{i}", "args": [i]} for i in range(3)], queue=broker.name)
+    declared: list[list[str]] = []
+
+    def record(declare: list[Any], **_: Any) -> None:
+        declared.append([q.name for q in declare])
+
+    before_task_publish.connect(record, weak=False)
+    try:
+        submit_many(EFFECT, [{"idempotency_key": f"nb{i}", "args": [i]} for i in range(3)], queue=broker.name)
+    finally:
+        before_task_publish.disconnect(record)
     assert broker.keys() == ["nb0", "nb1", "nb2"]
     assert [m["headers"]["argsrepr"] for m in broker.messages()] == ["[0]", "[1]", "[2]"]
+    assert declared == [[broker.name]] * 3
 
 
 def test_the_quick_argument_repr_is_celerys_saferepr_whenever_it_answers():

@@ -462,7 +462,7 @@ def _constant_values() -> dict[str, Any]:
     return {
         f.attname: f.get_db_prep_save(getattr(template, f.attname), db)
         for f in Execution._meta.concrete_fields
-        if not callable(f.default)  # a default made afresh for each row (``list``, a clock): not a constant
+        if not (f.has_default() and callable(f.default))  # made afresh for each row (``list``, a clock)
     }
 
 

@@ -336,7 +336,7 @@ class _BatchSender:
         if id(prototype) not in self.started:  # Celery declares the queue and connects, its way
             self.started.add(id(prototype))
             retry = None
-            if prototype.fixed_queue and _declared(self.producer, routed["queue"]):
+            if prototype.fixed_queue and _declared(self.producer, routed):
                 routed = dict(routed, declare=[])  # on this connection already (``publish``)
         elif prototype.fixed_queue and retry is False:
             # Inside a batch that kombu buffers (no retry, so no reconnect within it): declared
@@ -352,19 +352,24 @@ class _BatchSender:
         )
 
 
-def _declared(producer: Any, queue: Any) -> bool:
-    """Whether a publication of ``queue`` may skip its declaration: on Redis, for a queue of a
-    direct exchange (Celery sends it by the queue's name, which needs nothing declared), once
-    kombu records the queue as declared on the producer's connection (a new connection starts
-    with no record). kombu binds a copy of the queue, and of its exchange, to the channel
-    before it looks at that record: most of the cost of a declaration that does nothing.
-    Elsewhere (RabbitMQ: a retry after a reconnect must declare again) Celery's declaration."""
+def _declared(producer: Any, routed: dict[str, Any]) -> bool:
+    """Whether a publication routed by ``routed`` may skip its queue's declaration: on Redis,
+    for a queue of a direct exchange that Celery sends by the queue's name (no exchange and
+    routing key of the task's own), which needs nothing declared, once kombu records the queue
+    as declared on the producer's connection (a new connection starts with no record). kombu
+    binds a copy of the queue, and of its exchange, to the channel before it looks at that
+    record: most of the cost of a declaration that does nothing. Elsewhere (RabbitMQ: a retry
+    after a reconnect must declare again; a named exchange on Redis, which routes by the
+    declared bindings) Celery's declaration."""
+    queue = routed["queue"]
     connection: Any = getattr(producer, "connection", None)
     declared = getattr(connection, "declared_entities", None)
     if declared is None or not getattr(connection, "connected", False):
         return False  # not connected yet: the publication connects and declares, Celery's way
-    if getattr(connection.transport, "driver_type", None) != "redis" or queue.exchange.type != "direct":
+    if getattr(connection.transport, "driver_type", None) != "redis":
         return False
+    if getattr(queue.exchange, "type", None) != "direct" or (routed.get("exchange") and routed.get("routing_key")):
+        return False  # ``exchange`` is None for a queue of several bindings
     return bool(queue.can_cache_declaration) and hash(queue) in declared
 
 
