@@ -530,6 +530,25 @@ def test_publish_reads_a_job_that_is_not_loaded_each_time(broker):
     assert (after["headers"]["tp_lease"], after["headers"]["timelimit"]) == (11, [13, None])
 
 
+def test_publish_declares_a_queue_the_connection_has_not_declared(broker):
+    """On a connection that is up (it just sent to another queue), a queue kombu has no record
+    of is declared with its first message (on Redis, the binding kombu routes by)."""
+    from taskplatform.core.publisher import publish
+
+    first = submit(EFFECT, args=[1], queue=broker.name, on_commit=False)
+    assert publish(first, task_id="warm-up")  # the pooled connection is up and has the first queue
+    other = Broker(f"{broker.name}-other")
+    try:
+        # Parked in the ledger (a far countdown): recorded, not published, so never declared.
+        execution = submit(EFFECT, args=[2], queue=other.name, countdown=30 * 24 * 3600, on_commit=False)
+        assert not other.client.exists(f"_kombu.binding.{other.name}") and not other.messages()
+        assert publish(execution, task_id="other-queue")
+        assert other.client.exists(f"_kombu.binding.{other.name}")
+    finally:
+        other.clear()
+        other.client.delete(f"_kombu.binding.{other.name}")
+
+
 def test_publish_declares_the_queue_again_on_a_new_broker_connection(broker):
     """A kept prototype skips the queue's declaration only while the connection has it: on a
     new connection the next publication declares the queue again (on Redis, the binding kombu
