@@ -199,9 +199,9 @@ def publisher(variant: str, body: str = "noop") -> Any:
     if variant in ("ledger", "limited", "limited_redis"):
         return lambda i: submit(tasks["ledger"], [i])
     if variant == "floor_submit":
-        from bench.benchapp.bodies import commit_pending
+        from bench.benchapp.bodies import insert_row
 
-        return lambda i: tasks["floor_submit"].delay(i, commit_pending(i))
+        return lambda i: tasks["floor_submit"].delay(i, insert_row(i, "PENDING"))
     family = {
         "plain": "plain",
         "dcr": "dcr",

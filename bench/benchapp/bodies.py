@@ -50,14 +50,7 @@ def two_commits(i: int) -> None:
     autocommit (an insert, then an update of that row by key): the least a task can spend on
     recording a start and an end in PostgreSQL. The ``floor`` variant runs it after each body,
     so its ratio bounds any design that commits twice a task (see docs/benchmarks.md)."""
-    with _prepared_cursor() as cur:
-        cur.execute(
-            "INSERT INTO benchapp_benchfloor (i, state, created_at) VALUES (%s, 'RUNNING', now()) RETURNING id",
-            (i,),
-            prepare=True,
-        )
-        (row_id,) = cur.fetchone()
-        cur.execute("UPDATE benchapp_benchfloor SET state = 'SUCCEEDED' WHERE id = %s", (row_id,), prepare=True)
+    set_state(insert_row(i, "RUNNING"), "SUCCEEDED")
 
 
 @contextmanager
@@ -79,13 +72,14 @@ def _prepared_cursor() -> Iterator[Any]:
         conn.prepare_threshold = previous
 
 
-def commit_pending(i: int) -> int:
-    """The producer's half of the ``floor_submit`` variant: one durable commit of a one-row
-    insert (state PENDING) before the message is published, as ``submit()`` commits its row."""
+def insert_row(i: int, state: str) -> int:
+    """One durable commit of a one-row insert into the floor variants' table; its id.
+    ``floor_submit``'s producer commits its row (state PENDING) this way before it publishes,
+    as ``submit()`` commits its row."""
     with _prepared_cursor() as cur:
         cur.execute(
-            "INSERT INTO benchapp_benchfloor (i, state, created_at) VALUES (%s, 'PENDING', now()) RETURNING id",
-            (i,),
+            "INSERT INTO benchapp_benchfloor (i, state, created_at) VALUES (%s, %s, now()) RETURNING id",
+            (i, state),
             prepare=True,
         )
         (row_id,) = cur.fetchone()
