@@ -314,10 +314,8 @@ class _BatchSender:
         argsrepr = _plain_repr(args, argsize) or saferepr(args, argsize, maxlevels=self.repr_levels)
         kwargsrepr = _plain_repr(kwargs, kwargsize) or saferepr(kwargs, kwargsize, maxlevels=self.repr_levels)
         root_id = headers0["root_id"] if headers0["parent_id"] else task_id
-        headers = dict(headers0)  # and its lists and dicts copied: a receiver may change them
-        headers.update(
-            {k: (v.copy() if type(v) in (dict, list) else v) for k, v in headers0.items() if type(v) in (dict, list)}
-        )
+        # A copy, its lists and dicts too: a ``before_task_publish`` receiver may change them.
+        headers = {k: (v.copy() if type(v) in (dict, list) else v) for k, v in headers0.items()}
         headers.update(id=task_id, root_id=root_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr)
         headers[HEADER_EXECUTION] = execution.pk
         headers[HEADER_KEY] = execution.idempotency_key
