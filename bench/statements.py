@@ -1,0 +1,160 @@
+"""The plain ``.delay()`` path's two ledger statements, against cheaper forms of them, in one process.
+
+    .venv/bin/python bench/statements.py [--blocks 8] [--per-block 1000]
+
+Each pair is what a worker's pool process commits for one task on the ``.delay()`` path:
+the row created already claimed, then the success (``ledger.create_claimed`` and
+``ledger.succeed``, each one prepared statement in autocommit: a durable commit each).
+Variants, in alternating blocks (A B C D, then D C B A, …):
+
+* ``ledger``: the statements as the platform runs them (the execution row and its event);
+* ``no_events``: the same without the event rows (the ``INSERT`` into the event table taken
+  out of each statement): what writing no history on the happy path would save;
+* ``two_indexes``: as ``no_events``, into a copy of the execution table with only its primary
+  key and its idempotency key indexed: what the other ten indexes cost on top;
+* ``floor``: ``bench/benchapp/bodies.py``'s ``two_commits``, a one-row insert and an update by
+  key into a three-column table, the floor variant's two commits in ``bench/run.py``.
+
+Reported per pair: the median and minimum wall time of the blocks, and the medians of this
+process's CPU and of its PostgreSQL backend's CPU (``/proc``). Nothing else should run: the
+wall times are round trips and WAL flushes. The copy of the table is dropped at the end.
+Uses ``bench/settings.py``'s database (created and migrated here, as ``bench/run.py`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+
+#: The copy of the execution table the ``two_indexes`` variant writes into.
+LEAN_TABLE = "bench_statements_execution"
+VARIANTS = ("ledger", "no_events", "two_indexes", "floor")
+
+
+def _without_events(sql: str) -> str:
+    """One of ``core/_pg.py``'s hot statements without its event CTE (``ev AS (…)``)."""
+    lean = re.sub(r"\),\s*ev AS \(.*?\n\s*\)\n", ")\n", sql, flags=re.S)
+    assert "ev AS" not in lean, sql
+    return lean
+
+
+@contextmanager
+def _statements(variant: str) -> Iterator[None]:
+    """The ledger's hot statements replaced, for the time of a block, by ``variant``'s forms."""
+    from django.db import connection
+
+    from taskplatform.core import _pg
+
+    claim_sql, fields = _pg._create_claimed_sql()
+    succeed_sql = _pg._succeed_sql()
+    if variant in ("no_events", "two_indexes"):
+        # create_claimed binds one more parameter than the insert uses (the event's lease).
+        claim_sql = _without_events(claim_sql).replace("SELECT * FROM u", "SELECT * FROM u WHERE %s::int IS NOT NULL")
+        succeed_sql = _without_events(succeed_sql)
+    if variant == "two_indexes":
+        table = connection.ops.quote_name("taskplatform_execution")
+        claim_sql, succeed_sql = claim_sql.replace(table, LEAN_TABLE), succeed_sql.replace(table, LEAN_TABLE)
+    saved = _pg._create_claimed_sql, _pg._succeed_sql
+    _pg._create_claimed_sql = lambda: (claim_sql, fields)  # type: ignore[assignment]
+    _pg._succeed_sql = lambda: succeed_sql  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _pg._create_claimed_sql, _pg._succeed_sql = saved  # type: ignore[assignment]
+
+
+def _ledger_pair(i: int) -> None:
+    from django.utils import timezone
+
+    from taskplatform.core import ledger
+    from taskplatform.core.types import NewExecution
+
+    key = f"bench-statements:{uuid.uuid4().hex}"
+    spec = NewExecution(idempotency_key=key, task_name="bench.noop", args=[i], kwargs={})
+    worker, started = "bench@host:1:statements", timezone.now()
+    claim = ledger.create_claimed(
+        spec, worker=worker, celery_task_id=uuid.uuid4().hex, lease_seconds=300, started_at=started
+    )
+    assert claim is not None
+    ledger.succeed(claim.execution, claim.token, None, worker=worker, data={"runtime": 0.0})
+
+
+def _backend_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def block(variant: str, n: int, backend: int) -> tuple[float, float, float]:
+    """``n`` pairs of ``variant``: wall, client CPU and server CPU per pair, in µs."""
+    from bench.benchapp.bodies import two_commits
+
+    run: Callable[[int], None] = two_commits if variant == "floor" else _ledger_pair
+    with _statements(variant):
+        wall, client, server = time.perf_counter(), time.process_time(), _backend_cpu(backend)
+        for i in range(n):
+            run(i)
+        wall, client = time.perf_counter() - wall, time.process_time() - client
+        server = _backend_cpu(backend) - server
+    return wall / n * 1e6, client / n * 1e6, server / n * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=8, help="blocks of each variant, alternating")
+    parser.add_argument("--per-block", type=int, default=1000, help="pairs of statements a block")
+    args = parser.parse_args()
+
+    from bench.run import ensure_database
+
+    ensure_database()
+    import django
+
+    django.setup()
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(f"DROP TABLE IF EXISTS {LEAN_TABLE}")
+        cur.execute(
+            f"CREATE TABLE {LEAN_TABLE} (LIKE taskplatform_execution INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
+            f"INCLUDING IDENTITY)"
+        )
+        cur.execute(f"ALTER TABLE {LEAN_TABLE} ADD PRIMARY KEY (id), ADD UNIQUE (idempotency_key)")
+        cur.execute("SELECT pg_backend_pid()")
+        (backend,) = cur.fetchone()
+    results: dict[str, list[tuple[float, float, float]]] = {v: [] for v in VARIANTS}
+    try:
+        for variant in VARIANTS:  # warm: connections, prepared statements, caches
+            block(variant, 200, backend)
+        for b in range(args.blocks):
+            for variant in VARIANTS if b % 2 == 0 else VARIANTS[::-1]:
+                results[variant].append(block(variant, args.per_block, backend))
+    finally:
+        with connection.cursor() as cur:
+            cur.execute(f"DROP TABLE IF EXISTS {LEAN_TABLE}")
+            tables = "taskplatform_executionevent, taskplatform_execution, benchapp_benchfloor"
+            cur.execute(f"TRUNCATE {tables} RESTART IDENTITY CASCADE")
+    print(f"{args.blocks} alternating blocks of {args.per_block} pairs (create claimed + success), µs a pair")
+    print(f"{'variant':<14}{'wall median':>12}{'wall min':>10}{'client CPU':>12}{'server CPU':>12}")
+    for variant, rows in results.items():
+        wall = [r[0] for r in rows]
+        print(
+            f"{variant:<14}{statistics.median(wall):>12.0f}{min(wall):>10.0f}"
+            f"{statistics.median(r[1] for r in rows):>12.0f}{statistics.median(r[2] for r in rows):>12.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
