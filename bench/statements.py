@@ -88,13 +88,16 @@ def _ledger_pair(i: int) -> None:
         spec, worker=worker, celery_task_id=uuid.uuid4().hex, lease_seconds=300, started_at=started
     )
     assert claim is not None
-    ledger.succeed(claim.execution, claim.token, None, worker=worker, data={"runtime": 0.0})
+    ledger.succeed(claim.execution, claim.token, None, worker=worker, data={"duration_ms": 0.0})
 
 
 def _backend_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """Seconds of CPU the PostgreSQL backend ``pid`` has used (``bench/run.py``'s reading of ``/proc``)."""
+    from bench.run import _proc_stat
+
+    stat = _proc_stat(pid)
+    assert stat is not None, f"PostgreSQL backend {pid} is gone"
+    return stat[2] / os.sysconf("SC_CLK_TCK")
 
 
 def block(variant: str, n: int, backend: int) -> tuple[float, float, float]:
