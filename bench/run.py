@@ -502,6 +502,18 @@ def _proc_stat(pid: int) -> tuple[str, int, int] | None:
     return name, int(rest[1]), int(rest[11]) + int(rest[12])
 
 
+def _reaped_ticks(pid: int) -> int:
+    """User + system CPU ticks of ``pid``'s children that ended and were waited for: a
+    PostgreSQL backend that closed during a run (Celery's worker closes its connections every
+    ``CELERY_DB_REUSE_MAX`` tasks) is no longer in ``/proc``, but its time is the postmaster's."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    rest = text[text.rindex(")") + 2 :].split()
+    return int(rest[13]) + int(rest[14])
+
+
 def _other_database_backend(pid: int, database: str) -> bool:
     """Whether a ``postgres`` process serves another database than the bench's (its process
     title names a client, ``host(port)`` or ``[local]``, or is an autovacuum worker, and does
@@ -518,7 +530,12 @@ def _other_database_backend(pid: int, database: str) -> bool:
 def cpu_snapshot(worker_pid: int) -> dict[str, dict[int, int]]:
     """CPU ticks per live process, grouped: this process (the producer), the worker (its whole
     process tree: Celery's main and pool processes, or Procrastinate's one process and its
-    threads), PostgreSQL (the server's own processes and the bench database's backends) and Redis."""
+    threads), PostgreSQL (the server's own processes and the bench database's backends) and Redis.
+
+    The processes that ended between two snapshots count too, through their parent's reaped
+    children (``_reaped_ticks``, keyed by the parent's negative pid): the worker's and the
+    postmaster's. The postmaster's include every database's closed backends: on a shared
+    server, run the bench alone."""
     from django.conf import settings
 
     database = settings.DATABASES["default"]["NAME"]
@@ -539,6 +556,10 @@ def cpu_snapshot(worker_pid: int) -> dict[str, dict[int, int]]:
             groups["postgres"][pid] = ticks
         elif name == "redis-server":
             groups["redis"][pid] = ticks
+    groups["worker"][-worker_pid] = _reaped_ticks(worker_pid)
+    for pid, (name, ppid, _) in stats.items():
+        if name == "postgres" and stats.get(ppid, ("",))[0] != "postgres":  # the postmaster
+            groups["postgres"][-pid] = _reaped_ticks(pid)
     return groups
 
 

@@ -1,21 +1,24 @@
-"""The plain ``.delay()`` path's two ledger statements, against cheaper forms of them, in one process.
+"""The plain ``.delay()`` path's ledger statements, against cheaper forms of them, in one process.
 
     .venv/bin/python bench/statements.py [--blocks 8] [--per-block 1000]
 
-Each pair is what a worker's pool process commits for one task on the ``.delay()`` path:
-the row created already claimed, then the success (``ledger.create_claimed`` and
-``ledger.succeed``, each one prepared statement in autocommit: a durable commit each).
-Variants, in alternating blocks (A B C D, then D C B A, …):
+Each task is what a worker's pool process commits for it on the ``.delay()`` path: the row
+created already claimed (``ledger.create_claimed``), and the success (``ledger.succeed``).
+Variants, in alternating blocks (A B C D E, then E D C B A, …):
 
-* ``ledger``: the statements as the platform runs them (the execution row and its event);
-* ``no_events``: the same without the event rows (the ``INSERT`` into the event table taken
-  out of each statement): what writing no history on the happy path would save;
+* ``separate``: the two as two prepared statements in autocommit, two durable commits: what a
+  pool process that is not busy commits (its parked success written by the recorder thread,
+  ``worker/recorder.py``), and what every task committed before successes rode with claims;
+* ``carried``: the steady state of a busy pool process: each claim's statement carries the
+  previous task's success, one durable commit a task;
+* ``no_events``: ``carried`` without the event rows (the event CTEs emptied): what writing no
+  history on the happy path would save;
 * ``two_indexes``: as ``no_events``, into a copy of the execution table with only its primary
-  key and its idempotency key indexed: what the other ten indexes cost on top;
+  key and its idempotency key indexed: what the other indexes cost on top;
 * ``floor``: ``bench/benchapp/bodies.py``'s ``two_commits``, a one-row insert and an update by
   key into a three-column table, the floor variant's two commits in ``bench/run.py``.
 
-Reported per pair: the median and minimum wall time of the blocks, and the medians of this
+Reported per task: the median and minimum wall time of the blocks, and the medians of this
 process's CPU and of its PostgreSQL backend's CPU (``/proc``). Nothing else should run: the
 wall times are round trips and WAL flushes. The copy of the table is dropped at the end.
 Uses ``bench/settings.py``'s database (created and migrated here, as ``bench/run.py`` does).
@@ -40,13 +43,20 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
 
 #: The copy of the execution table the ``two_indexes`` variant writes into.
 LEAN_TABLE = "bench_statements_execution"
-VARIANTS = ("ledger", "no_events", "two_indexes", "floor")
+VARIANTS = ("separate", "carried", "no_events", "two_indexes", "floor")
 
 
 def _without_events(sql: str) -> str:
-    """One of ``core/_pg.py``'s hot statements without its event CTE (``ev AS (…)``)."""
-    lean = re.sub(r"\),\s*ev AS \(.*?\n\s*\)\n", ")\n", sql, flags=re.S)
-    assert "ev AS" not in lean, sql
+    """One of ``core/_pg.py``'s hot statements with its event CTEs (``ev``, ``s_ev``) emptied:
+    each becomes a ``SELECT`` of its parameters, which nothing reads, so the statement binds
+    the same parameters in the same order and inserts no event."""
+
+    def emptied(match: re.Match[str]) -> str:
+        params = re.findall(r"%(?:\(\w+\))?s(?:::\w+)?", match.group(2))
+        return f"), {match.group(1)} AS (SELECT {', '.join(params) or '1'})"
+
+    lean = re.sub(r"\),\s*((?:s_)?ev) AS \((.*?FROM [su])\s*\)", emptied, sql, flags=re.S)
+    assert "INSERT INTO" not in lean.replace("INSERT INTO " + '"taskplatform_execution"', ""), lean
     return lean
 
 
@@ -57,17 +67,18 @@ def _statements(variant: str) -> Iterator[None]:
 
     from taskplatform.core import _pg
 
-    claim_sql, fields = _pg._create_claimed_sql()
+    original = _pg._create_claimed_sql
+    claim = {carrying: original(carrying) for carrying in (False, True)}
     succeed_sql = _pg._succeed_sql()
     if variant in ("no_events", "two_indexes"):
-        # create_claimed binds one more parameter than the insert uses (the event's lease).
-        claim_sql = _without_events(claim_sql).replace("SELECT * FROM u", "SELECT * FROM u WHERE %s::int IS NOT NULL")
+        claim = {c: (_without_events(sql), fields, order) for c, (sql, fields, order) in claim.items()}
         succeed_sql = _without_events(succeed_sql)
     if variant == "two_indexes":
         table = connection.ops.quote_name("taskplatform_execution")
-        claim_sql, succeed_sql = claim_sql.replace(table, LEAN_TABLE), succeed_sql.replace(table, LEAN_TABLE)
+        claim = {c: (sql.replace(table, LEAN_TABLE), fields, order) for c, (sql, fields, order) in claim.items()}
+        succeed_sql = succeed_sql.replace(table, LEAN_TABLE)
     saved = _pg._create_claimed_sql, _pg._succeed_sql
-    _pg._create_claimed_sql = lambda: (claim_sql, fields)  # type: ignore[assignment]
+    _pg._create_claimed_sql = lambda carrying: claim[carrying]  # type: ignore[assignment]
     _pg._succeed_sql = lambda: succeed_sql  # type: ignore[assignment]
     try:
         yield
@@ -75,20 +86,54 @@ def _statements(variant: str) -> Iterator[None]:
         _pg._create_claimed_sql, _pg._succeed_sql = saved  # type: ignore[assignment]
 
 
-def _ledger_pair(i: int) -> None:
+WORKER = "bench@host:1:statements"
+
+
+def _create_claimed(i: int, carried: object = None) -> object:
     from django.utils import timezone
 
     from taskplatform.core import ledger
     from taskplatform.core.types import NewExecution
 
-    key = f"bench-statements:{uuid.uuid4().hex}"
-    spec = NewExecution(idempotency_key=key, task_name="bench.noop", args=[i], kwargs={})
-    worker, started = "bench@host:1:statements", timezone.now()
+    spec = NewExecution(
+        idempotency_key=f"bench-statements:{uuid.uuid4().hex}", task_name="bench.noop", args=[i], kwargs={}
+    )
     claim = ledger.create_claimed(
-        spec, worker=worker, celery_task_id=uuid.uuid4().hex, lease_seconds=300, started_at=started
+        spec,
+        worker=WORKER,
+        celery_task_id=uuid.uuid4().hex,
+        lease_seconds=300,
+        started_at=timezone.now(),
+        carried=carried,  # type: ignore[arg-type]
     )
     assert claim is not None
-    ledger.succeed(claim.execution, claim.token, None, worker=worker, data={"duration_ms": 0.0})
+    return claim
+
+
+def _separate(i: int) -> None:
+    from taskplatform.core import ledger
+
+    claim = _create_claimed(i)
+    ledger.succeed(claim.execution, claim.token, None, worker=WORKER, data={"duration_ms": 0.0})  # type: ignore[attr-defined]
+
+
+class _Carried:
+    """Each claim carries the success of the one before (the last success of a block is
+    written alone, outside the measured loop's count: one statement in ``per_block``)."""
+
+    def __init__(self) -> None:
+        self.previous: object = None
+
+    def __call__(self, i: int) -> None:
+        from django.utils import timezone
+
+        from taskplatform.core.types import FinishedAttempt
+
+        claim = _create_claimed(i, self.previous)
+        if self.previous is not None:
+            assert self.previous.written, "the carried success was refused"  # type: ignore[attr-defined]
+        execution = claim.execution  # type: ignore[attr-defined]
+        self.previous = FinishedAttempt(execution.pk, claim.token, None, WORKER, {"duration_ms": 0.0}, timezone.now())  # type: ignore[attr-defined]
 
 
 def _backend_cpu(pid: int) -> float:
@@ -101,10 +146,10 @@ def _backend_cpu(pid: int) -> float:
 
 
 def block(variant: str, n: int, backend: int) -> tuple[float, float, float]:
-    """``n`` pairs of ``variant``: wall, client CPU and server CPU per pair, in µs."""
+    """``n`` tasks of ``variant``: wall, client CPU and server CPU per task, in µs."""
     from bench.benchapp.bodies import two_commits
 
-    run: Callable[[int], None] = two_commits if variant == "floor" else _ledger_pair
+    run: Callable[[int], None] = {"floor": two_commits, "separate": _separate}.get(variant) or _Carried()
     with _statements(variant):
         wall, client, server = time.perf_counter(), time.process_time(), _backend_cpu(backend)
         for i in range(n):
@@ -117,7 +162,7 @@ def block(variant: str, n: int, backend: int) -> tuple[float, float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=8, help="blocks of each variant, alternating")
-    parser.add_argument("--per-block", type=int, default=1000, help="pairs of statements a block")
+    parser.add_argument("--per-block", type=int, default=1000, help="tasks a block")
     args = parser.parse_args()
 
     from bench.run import ensure_database
@@ -149,7 +194,7 @@ def main() -> None:
             cur.execute(f"DROP TABLE IF EXISTS {LEAN_TABLE}")
             tables = "taskplatform_executionevent, taskplatform_execution, benchapp_benchfloor"
             cur.execute(f"TRUNCATE {tables} RESTART IDENTITY CASCADE")
-    print(f"{args.blocks} alternating blocks of {args.per_block} pairs (create claimed + success), µs a pair")
+    print(f"{args.blocks} alternating blocks of {args.per_block} tasks (created claimed, succeeded), µs a task")
     print(f"{'variant':<14}{'wall median':>12}{'wall min':>10}{'client CPU':>12}{'server CPU':>12}")
     for variant, rows in results.items():
         wall = [r[0] for r in rows]

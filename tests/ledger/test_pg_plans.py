@@ -51,17 +51,26 @@ def _plan(sql: str, params: dict[str, Any]) -> str:
         return "\n".join(row[0] for row in cursor.fetchall())
 
 
-def _scan_of_executions(plan: str) -> str:
+def _scans_of_executions(plan: str) -> list[str]:
     scans = [line.strip() for line in plan.splitlines() if "Scan" in line and Execution._meta.db_table in line]
     assert scans, plan
-    return scans[0]
+    return scans
+
+
+def _scan_of_executions(plan: str) -> str:
+    return _scans_of_executions(plan)[0]
 
 
 def test_the_first_attempt_claim_finds_its_row_by_primary_key_under_stale_statistics() -> None:
+    """Alone, and carrying the previous attempt's success (both of its row lookups)."""
     burst = _stale_statistics_then_a_burst()
-    params = {"id": burst[0].pk, "now": timezone.now(), "lease": 60, "worker": "w:1", "task_id": "t"}
-    scan = _scan_of_executions(_plan(_pg._claim_sql(), params))
+    params: dict[str, Any] = {"id": burst[0].pk, "now": timezone.now(), "lease": 60, "worker": "w:1", "task_id": "t"}
+    scan = _scan_of_executions(_plan(_pg._claim_sql(False), params))
     assert "_pkey" in scan, f"the claim walks an index other than the primary key: {scan}"
+    carried = {"id": burst[-1].pk, "token": 1, "result": None, "now": timezone.now(), "worker": "w:1", "data": "{}"}
+    params.update({f"s_{name}": value for name, value in carried.items()})
+    scans = _scans_of_executions(_plan(_pg._claim_sql(True), params))
+    assert len(scans) >= 2 and all("_pkey" in s for s in scans), f"a carrying claim walks another index: {scans}"
 
 
 def test_the_success_mark_finds_its_row_by_primary_key_under_stale_statistics() -> None:

@@ -8,6 +8,8 @@ import os
 import threading
 import time
 
+import pytest
+
 from taskplatform.worker.recorder import SuccessRecorder
 
 
@@ -128,3 +130,111 @@ def test_which_successes_are_deferred(monkeypatch):
     assert not task_module._defer_success(ignoring, request(is_eager=True))
     monkeypatch.setattr(task_module, "connection", SimpleNamespace(vendor="sqlite"))
     assert not task_module._defer_success(ignoring, request())
+
+
+# --- a success parked for the next claim (``park``, ``take``, ``settle``) ------------------------
+
+
+def _parked(written: list[str], finished: list[bool], watch: object = None):
+    from datetime import UTC, datetime
+
+    from taskplatform.core.types import FinishedAttempt
+    from taskplatform.worker.recorder import Parked
+
+    attempt = FinishedAttempt(1, 1, None, "node-a:1", {}, datetime.now(UTC))
+    return Parked(attempt, lambda: written.append("by the thread"), finished.append, watch)  # type: ignore[arg-type]
+
+
+def test_a_parked_success_no_claim_takes_is_written_by_the_thread(poll):
+    """An idle pool process: no claim comes, the recorder thread writes the success itself
+    once ``RIDE_SECONDS`` have passed."""
+    recorder, written, finished = SuccessRecorder(), [], []
+    recorder.park(_parked(written, finished))
+    poll(lambda: written == ["by the thread"], timeout=10, what="the thread's write")
+    assert recorder.pending == 0 and finished == []
+
+
+def test_a_claim_takes_the_parked_success_and_the_thread_does_not_write_it(monkeypatch):
+    from taskplatform.worker import recorder as module
+
+    monkeypatch.setattr(module, "RIDE_SECONDS", 60.0)
+    recorder, written, finished = SuccessRecorder(), [], []
+    recorder.park(_parked(written, finished))
+    taken = recorder.take()
+    assert taken is not None and recorder.take() is None
+    assert recorder.pending == 1, "a taken success is outstanding until it is settled"
+    taken.attempt.written = True  # what the claim's statement reports
+    recorder.settle(taken)
+    assert finished == [True] and recorder.pending == 0
+    assert recorder.flush(timeout=10) and written == []
+
+
+def test_a_success_the_claim_did_not_carry_is_written_by_the_thread(monkeypatch):
+    """The claim's statement failed (or could not carry it): ``written`` stays None and the
+    recorder thread writes the success, at once, not at the parking deadline."""
+    from taskplatform.worker import recorder as module
+
+    monkeypatch.setattr(module, "RIDE_SECONDS", 60.0)
+    recorder, written, finished = SuccessRecorder(), [], []
+    recorder.park(_parked(written, finished))
+    taken = recorder.take()
+    assert taken is not None
+    recorder.settle(taken)
+    assert recorder.flush(timeout=10)
+    assert written == ["by the thread"] and finished == [] and recorder.pending == 0
+
+
+def test_flush_writes_a_parked_success_at_once(monkeypatch):
+    """A pool process leaving (``flush_on_exit``) writes what it parked, without waiting for a
+    claim that will not come or for the parking deadline."""
+    from taskplatform.worker import recorder as module
+
+    monkeypatch.setattr(module, "RIDE_SECONDS", 60.0)
+    recorder, written, finished = SuccessRecorder(), [], []
+    recorder.park(_parked(written, finished))
+    assert recorder.flush(timeout=10)
+    assert written == ["by the thread"] and recorder.pending == 0 and recorder.take() is None
+
+
+def test_a_success_is_parked_only_once_the_previous_write_has_finished():
+    """The bound on outstanding writes holds for parked successes too."""
+    recorder = SuccessRecorder()
+    gate = threading.Event()
+    recorder.record(lambda: gate.wait(10))
+    written: list[str] = []
+    parking = threading.Thread(target=lambda: recorder.park(_parked(written, [])))
+    parking.start()
+    parking.join(timeout=0.5)
+    assert parking.is_alive() and recorder.take() is None, "the park waits while the first write is stuck"
+    gate.set()
+    parking.join(timeout=10)
+    assert not parking.is_alive() and recorder.flush(timeout=10) and written == ["by the thread"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_inside_a_transaction_leaves_the_parked_success_parked(monkeypatch):
+    """A claim made inside a transaction (an eager call in an atomic block) must not carry the
+    parked success: the transaction's rollback would take the success with it, and nothing
+    would write it again. It stays parked for the next claim, or the thread."""
+    from django.db import connection, transaction
+
+    from taskplatform.worker import recorder as module
+    from taskplatform.worker import task as task_module
+
+    if connection.vendor != "postgresql":
+        pytest.skip("claims carry successes on PostgreSQL only")
+    monkeypatch.setattr(module, "RIDE_SECONDS", 60.0)
+    recorder = SuccessRecorder()  # not the process's: its thread would be left in a 60 s wait
+    monkeypatch.setattr(task_module, "success_recorder", lambda: recorder)
+    written: list[str] = []
+    recorder.park(_parked(written, []))
+    try:
+        with transaction.atomic():
+            assert task_module._parked_for_claim() is None
+        assert recorder.pending == 1
+        taken = task_module._parked_for_claim()
+        assert taken is not None, "outside the transaction, the next claim takes it"
+        recorder.settle(taken)  # not carried (written is None): the thread writes it
+        assert recorder.flush(timeout=10) and written == ["by the thread"]
+    finally:
+        recorder.flush(timeout=10)

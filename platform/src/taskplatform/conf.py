@@ -63,10 +63,11 @@ class PlatformSettings:
     #: not track prepared statements (before 1.22, or ``max_prepared_statements = 0``);
     #: otherwise the first loss there fails a transaction, then the process stops preparing.
     prepared_statements: bool = True
-    #: A finished non-atomic body's success is written by a thread of its pool process while
-    #: the process takes its next message (``worker/recorder.py``): one durable commit less in
-    #: each task's cycle. A pool process killed in the milliseconds before that write lands
-    #: leaves its attempt to the rescuer, which runs the body again. False: the pool process
+    #: A finished non-atomic body's success is written while its pool process takes its next
+    #: message (``worker/recorder.py``): on PostgreSQL by the next claim's own statement if it
+    #: comes within 50 ms, otherwise by a thread of the pool process; one durable commit a task
+    #: in a busy process. A pool process killed before that write lands leaves its attempt to
+    #: the rescuer, which runs the body again. False: the pool process
     #: writes it before Celery acknowledges the message. Atomic bodies always commit their
     #: success with their writes.
     deferred_success: bool = True

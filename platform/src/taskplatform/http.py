@@ -103,18 +103,20 @@ def unstorable_text(value: Any) -> str | None:
     which PostgreSQL refuses in text and ``jsonb``. Keys are checked too. The walk is
     iterative, so deep nesting (which ``json.loads`` accepted) cannot overflow the stack.
     """
+    from .core.validation import text_problem  # the ledger's rule for results too
+
     stack: list[tuple[str, Any]] = [("$", value)]
     while stack:
         path, item = stack.pop()
         if isinstance(item, str):
-            problem = _text_problem(item)
+            problem = text_problem(item)
             if problem:
                 return f"{_short(path)} {problem}"
         elif isinstance(item, dict):
             children = []
             for key, child in item.items():
                 name = key if isinstance(key, str) else str(key)
-                problem = _text_problem(name)
+                problem = text_problem(name)
                 if problem:
                     return f"a key in {_short(path)} {problem}"
                 children.append((f"{path}.{name}", child))
@@ -122,16 +124,6 @@ def unstorable_text(value: Any) -> str | None:
         elif isinstance(item, (list, tuple)):
             stack.extend(reversed([(f"{path}[{i}]", child) for i, child in enumerate(item)]))
     return None
-
-
-def _text_problem(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return "holds a lone surrogate (a \\uD800-\\uDFFF escape not in a pair), which is not text"
-    if "\x00" in text:
-        return "holds a NUL character (\\u0000), which databases do not store in text"
-    return ""
 
 
 def _short(path: str) -> str:

@@ -24,7 +24,7 @@ import json
 import logging
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields as dataclass_fields
 from datetime import datetime
 from functools import cache
@@ -36,7 +36,7 @@ from django.db.models import Field, Model
 
 from ..conf import platform_settings
 from ..models import Execution, ExecutionEvent
-from .types import Delivery, NewExecution
+from .types import Delivery, FinishedAttempt, NewExecution
 
 log = logging.getLogger("taskplatform.ledger")
 
@@ -371,11 +371,75 @@ def _returning(alias: str) -> str:
 _EVENT_COLUMNS = "execution_id, at, kind, from_state, to_state, attempt, fencing_token, actor, reason, data"
 
 
-@cache
-def _claim_sql() -> str:
+def _success_ctes(ph: Callable[[str], str], *, carried: bool = False) -> str:
+    """The success's compare-and-set (``s``) and its event (``s_ev``) as two CTEs; ``ph``
+    gives each parameter's placeholder: ``succeed``'s own statement, and a claim that carries
+    the success of the attempt before it (``FinishedAttempt``). Carried, the row is first
+    locked without waiting (``s_row``): a claim must not wait on another transaction's lock of
+    a finished attempt's row (its lease runs from the statement's start); a row locked
+    elsewhere is left to the recorder thread, whose own statement waits."""
     ex, ev = _q(Execution._meta.db_table), _q(ExecutionEvent._meta.db_table)
+    row = ph("id")
+    lock = ""
+    if carried:
+        lock = f"s_row AS (SELECT id FROM {ex} WHERE id = {row} FOR UPDATE SKIP LOCKED), "
+        row = "(SELECT id FROM s_row)"
     return f"""
-        WITH u AS (
+        {lock}s AS (
+            UPDATE {ex} SET state = 'SUCCEEDED', result = {ph("result")}::jsonb, finished_at = {ph("now")},
+                            lease_expires_at = NULL, updated_at = {ph("now")}
+            WHERE id = {row} AND (state = 'RUNNING') IS TRUE AND fencing_token = {ph("token")}
+            RETURNING id, attempts, fencing_token
+        ), s_ev AS (
+            INSERT INTO {ev} ({_EVENT_COLUMNS})
+            SELECT s.id, {ph("now")}, 'succeeded', 'RUNNING', 'SUCCEEDED', s.attempts, s.fencing_token,
+                   {ph("worker")}, '', {ph("data")}::jsonb
+            FROM s
+        )"""
+
+
+def _success_params(
+    execution_id: int, token: int, result: Any, worker: str, data: dict[str, Any], now: datetime
+) -> dict[str, Any]:
+    return {
+        "id": execution_id,
+        "token": token,
+        "result": None if result is None else json.dumps(result),
+        "now": now,
+        "worker": worker[:255],
+        "data": json.dumps(data),
+    }
+
+
+def _carrying(ctes: str, carrying: bool, ph: Callable[[str], str]) -> str:
+    """A claim's statement from its CTEs (``u``, the claimed row, and its event), carrying a
+    finished attempt's success when ``carrying``: its CTEs go first (the positional placeholders
+    come first), and the claim's row comes back with one more column, 1 if the success's
+    compare-and-set matched, 0 if not, and one more, 1 if its row could be locked at once;
+    always one row (all NULL but those columns when the claim matched nothing)."""
+    if not carrying:
+        return f"WITH {ctes} SELECT * FROM u"
+    return f"""WITH {_success_ctes(ph, carried=True)}, {ctes}
+        SELECT u.*, (SELECT count(*) FROM s), (SELECT count(*) FROM s_row)
+        FROM (VALUES (1)) AS one (x) LEFT JOIN u ON true"""
+
+
+def _settle(rows: list[tuple[Any, ...]], carried: FinishedAttempt | None) -> tuple[Any, ...] | None:
+    """The claim's row from a ``_carrying`` statement's rows, having noted whether the success
+    it carried was written (True), refused as stale (False), or not tried because another
+    transaction held its row (None: the recorder thread writes it)."""
+    if carried is None:
+        return rows[0] if rows else None
+    *row, matched, locked = rows[0]
+    carried.written = bool(matched) if locked else None
+    return None if row[0] is None else tuple(row)
+
+
+@cache
+def _claim_sql(carrying: bool) -> str:
+    ex, ev = _q(Execution._meta.db_table), _q(ExecutionEvent._meta.db_table)
+    ctes = f"""
+            u AS (
             UPDATE {ex} AS e SET
                 state = 'RUNNING',
                 attempts = e.attempts + 1,
@@ -395,13 +459,12 @@ def _claim_sql() -> str:
             SELECT u.id, %(now)s, 'claimed', 'PENDING', 'RUNNING', u.attempts, u.fencing_token, %(worker)s, '',
                    jsonb_build_object('celery_task_id', %(task_id)s::text, 'lease_seconds', u.lease_seconds)
             FROM u
-        )
-        SELECT * FROM u
-    """
+        )"""
+    return _carrying(ctes, carrying, lambda name: f"%(s_{name})s")
 
 
 def claim_first_attempt(
-    delivery: Delivery, *, default_lease_seconds: int, now: datetime
+    delivery: Delivery, *, default_lease_seconds: int, now: datetime, carried: FinishedAttempt | None = None
 ) -> tuple[Execution, int] | None:
     """Claim a ``PENDING`` execution that has never been attempted, in one statement.
 
@@ -413,6 +476,8 @@ def claim_first_attempt(
     ``default_lease_seconds`` is the job's lease, which the publisher puts in the message
     (``HEADER_LEASE``), or the task's: the statement does not read the job definition, a
     correlated subquery that cost a third of the claim's time on the server, measured.
+
+    ``carried``: a finished attempt's success, written in the same statement (``_carrying``).
     """
     params: dict[str, Any] = {
         "id": delivery.execution_id,
@@ -421,23 +486,33 @@ def claim_first_attempt(
         "worker": delivery.worker[:255],
         "task_id": delivery.celery_task_id[:255],
     }
-    rows = _run(_claim_sql(), params)
-    if not rows:
+    if carried is not None:
+        params.update({f"s_{name}": value for name, value in _attempt_params(carried).items()})
+    found = _settle(_run(_claim_sql(carried is not None), params), carried)
+    if found is None:
         return None
-    *row, lease = rows[0]
+    *row, lease = found
     execution = _loaded(row, args=delivery.args, kwargs=delivery.kwargs)
     return execution, int(lease)
 
 
 @cache
-def _create_claimed_sql() -> tuple[str, tuple[Field[Any, Any], ...]]:
+def _create_claimed_sql(carrying: bool) -> tuple[str, tuple[Field[Any, Any], ...], tuple[str, ...]]:
+    """The statement, the execution's fields in the order of their placeholders, and the
+    carried success's parameters, by name, in the order of theirs (which come first)."""
     fields = tuple(f for f in Execution._meta.concrete_fields if not f.primary_key)
     ex, ev = _q(Execution._meta.db_table), _q(ExecutionEvent._meta.db_table)
     placeholders = ", ".join(
         "statement_timestamp() + make_interval(secs => %s)" if f.attname == "lease_expires_at" else "%s" for f in fields
     )
-    sql = f"""
-        WITH u AS (
+    order: list[str] = []
+
+    def positional(name: str) -> str:
+        order.append(name)
+        return "%s"
+
+    ctes = f"""
+            u AS (
             INSERT INTO {ex} AS e ({", ".join(_q(str(f.column)) for f in fields)}) VALUES ({placeholders})
             ON CONFLICT ({_q("idempotency_key")}) DO NOTHING
             RETURNING {_returning("e")}
@@ -446,10 +521,9 @@ def _create_claimed_sql() -> tuple[str, tuple[Field[Any, Any], ...]]:
             SELECT u.id, u.started_at, 'claimed', 'PENDING', 'RUNNING', u.attempts, u.fencing_token, u.worker, '',
                    jsonb_build_object('celery_task_id', u.celery_task_id, 'lease_seconds', %s::int)
             FROM u
-        )
-        SELECT * FROM u
-    """
-    return sql, fields
+        )"""
+    sql = _carrying(ctes, carrying, positional)
+    return sql, fields, tuple(order)
 
 
 @cache
@@ -466,7 +540,9 @@ def _constant_values() -> dict[str, Any]:
     }
 
 
-def create_claimed(values: dict[str, Any], *, lease_seconds: int) -> Execution | None:
+def create_claimed(
+    values: dict[str, Any], *, lease_seconds: int, carried: FinishedAttempt | None = None
+) -> Execution | None:
     """Insert a new execution already claimed by its first attempt, unless its key exists.
 
     For a plain Celery call, whose row the worker creates: one statement instead of the
@@ -477,11 +553,16 @@ def create_claimed(values: dict[str, Any], *, lease_seconds: int) -> Execution |
     built before the insert: the one returned is built from the stored row. Returns it, or
     None when the key existed (another delivery of the same call, or a key derived from the
     arguments that another call holds): the portable claim decides then.
+
+    ``carried``: a finished attempt's success, written in the same statement (``_carrying``).
     """
-    sql, fields = _create_claimed_sql()
+    sql, fields, order = _create_claimed_sql(carried is not None)
     db = _db()
     constants = _constant_values()
     params: list[Any] = []
+    if carried is not None:
+        attempt = _attempt_params(carried)
+        params.extend(attempt[name] for name in order)
     for f in fields:
         name = f.attname
         if name == "lease_expires_at":
@@ -495,40 +576,25 @@ def create_claimed(values: dict[str, Any], *, lease_seconds: int) -> Execution |
             params.append(constants[name])
         else:  # a default made afresh for each row
             params.append(f.get_db_prep_save(f.get_default(), db))
-    rows = _run(sql, [*params, lease_seconds])
-    if not rows:
+    found = _settle(_run(sql, [*params, lease_seconds]), carried)
+    if found is None:
         return None
-    return _loaded(rows[0], args=values["args"], kwargs=values["kwargs"], result=None)
+    return _loaded(found, args=values["args"], kwargs=values["kwargs"], result=None)
 
 
 @cache
 def _succeed_sql() -> str:
-    ex, ev = _q(Execution._meta.db_table), _q(ExecutionEvent._meta.db_table)
-    return f"""
-        WITH u AS (
-            UPDATE {ex} SET state = 'SUCCEEDED', result = %(result)s::jsonb, finished_at = %(now)s,
-                            lease_expires_at = NULL, updated_at = %(now)s
-            WHERE id = %(id)s AND (state = 'RUNNING') IS TRUE AND fencing_token = %(token)s
-            RETURNING id, attempts, fencing_token
-        ), ev AS (
-            INSERT INTO {ev} ({_EVENT_COLUMNS})
-            SELECT u.id, %(now)s, 'succeeded', 'RUNNING', 'SUCCEEDED', u.attempts, u.fencing_token, %(worker)s, '',
-                   %(data)s::jsonb
-            FROM u
-        )
-        SELECT count(*) FROM u
-    """
+    return f"WITH {_success_ctes(lambda name: f'%({name})s')} SELECT count(*) FROM s"
 
 
 def succeed(execution_id: int, token: int, result: Any, *, worker: str, data: dict[str, Any], now: datetime) -> bool:
     """The success compare-and-set and its event in one statement; False if ``token`` is stale."""
-    params: dict[str, Any] = {
-        "id": execution_id,
-        "token": token,
-        "result": None if result is None else json.dumps(result),
-        "now": now,
-        "worker": worker[:255],
-        "data": json.dumps(data),
-    }
+    params = _success_params(execution_id, token, result, worker, data, now)
     ((matched,),) = _run(_succeed_sql(), params)
     return bool(matched)
+
+
+def _attempt_params(attempt: FinishedAttempt) -> dict[str, Any]:
+    return _success_params(
+        attempt.execution_id, attempt.token, attempt.result, attempt.worker, attempt.data, attempt.finished_at
+    )

@@ -35,7 +35,7 @@ from ..exceptions import ExecutionNotFound, IllegalTransitionError, LedgerError,
 from ..models import EventKind, Execution, ExecutionEvent, FlowRun, FlowState, JobDefinition, UtcNow
 from . import _pg as fastpath
 from .publisher import new_task_id, publish_on_commit
-from .types import Claim, ClaimOutcome, Delivery, NewExecution
+from .types import Claim, ClaimOutcome, Delivery, FinishedAttempt, NewExecution
 
 __all__ = ["Claim", "Delivery", "NewExecution"]
 
@@ -282,7 +282,13 @@ def ensure(spec: NewExecution) -> Execution:
 
 
 def create_claimed(
-    spec: NewExecution, *, worker: str, celery_task_id: str, lease_seconds: int, started_at: datetime
+    spec: NewExecution,
+    *,
+    worker: str,
+    celery_task_id: str,
+    lease_seconds: int,
+    started_at: datetime,
+    carried: FinishedAttempt | None = None,
 ) -> Claim | None:
     """Record a new execution already claimed by its first attempt, in one statement.
 
@@ -292,6 +298,9 @@ def create_claimed(
     derived from the arguments, a claim of this delivery whose reply was lost) and on
     databases without ``INSERT … RETURNING`` in a data-modifying statement: then ``ensure``
     and ``claim`` decide, and a lost reply is recognised by ``started_at``.
+
+    ``carried``: the success of this pool process's previous attempt, written by the same
+    statement where it can be (``carries_successes``); its ``written`` says how it went.
     """
     if not fastpath.enabled():
         return None
@@ -308,13 +317,19 @@ def create_claimed(
         updated_at=now,
         due_at=None,
     )
-    stored = fastpath.create_claimed(values, lease_seconds=lease_seconds)
+    stored = fastpath.create_claimed(values, lease_seconds=lease_seconds, carried=carried)
     if stored is None:
         return None
     return Claim("claimed", stored, lease_seconds=lease_seconds)
 
 
 # --- the worker's side: claim, heartbeat, outcome ---------------------------------------------
+
+
+def carries_successes() -> bool:
+    """Whether a claim can carry the previous attempt's success in its own statement
+    (``create_claimed``, ``claim_message``): on PostgreSQL."""
+    return fastpath.enabled()
 
 
 def claim_message(
@@ -325,15 +340,19 @@ def claim_message(
     max_attempts_for: Callable[[JobDefinition | None], int],
     owner_alive: Callable[[str], bool | None] = lambda worker: None,
     started_at: datetime | None = None,
+    carried: FinishedAttempt | None = None,
 ) -> Claim | None:
     """Claim the execution a message points at; None if the row does not exist.
 
     The common case, a first attempt of a ``PENDING`` row, is one statement on PostgreSQL;
     every other case takes the portable ``claim``. ``started_at``: see ``claim``.
+    ``carried``: as in ``create_claimed``.
     """
     now = started_at or timezone.now()
     if fastpath.enabled():
-        claimed = fastpath.claim_first_attempt(delivery, default_lease_seconds=default_lease_seconds, now=now)
+        claimed = fastpath.claim_first_attempt(
+            delivery, default_lease_seconds=default_lease_seconds, now=now, carried=carried
+        )
         if claimed is not None:
             return Claim("claimed", claimed[0], lease_seconds=claimed[1])
     execution = Execution.objects.select_related("job").filter(pk=delivery.execution_id).first()

@@ -29,6 +29,26 @@ class Claim:
         return self.execution.fencing_token
 
 
+@dataclass(eq=False)
+class FinishedAttempt:
+    """A finished attempt's success, not written yet, that the pool process's next claim
+    carries in its own statement (``worker/recorder.py``: one commit a task instead of two).
+
+    ``result`` is the stored (JSON-ready) value; ``written`` is set by the statement that
+    carried it: True if its compare-and-set matched, False if the token was stale. It stays
+    None when nothing carried it (another database, the statement failed, or another
+    transaction held the row): the recorder writes it then, as any other success.
+    """
+
+    execution_id: int
+    token: int
+    result: Any
+    worker: str
+    data: dict[str, Any]
+    finished_at: datetime
+    written: bool | None = None
+
+
 @dataclass(frozen=True)
 class Delivery:
     """One message as a worker received it: which execution, by whom, with what arguments."""

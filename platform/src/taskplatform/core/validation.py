@@ -116,6 +116,33 @@ def check_idempotency_key(key: object) -> str:
     return key
 
 
+def text_problem(text: str) -> str:
+    """What makes ``text`` unstorable in a database's text or JSON, or ""."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds a lone surrogate (a \\uD800-\\uDFFF escape not in a pair), which is not text"
+    if "\x00" in text:
+        return "holds a NUL character (\\u0000), which databases do not store in text"
+    return ""
+
+
+def _first_text_problem(value: Any) -> str:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            problem = text_problem(item)
+            if problem:
+                return problem
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return ""
+
+
 def encode_result(value: Any, *, copy: bool = False) -> tuple[Any, str | None]:
     """The JSON value to store as a result, or ``(None, why not)`` if it cannot be stored.
 
@@ -125,6 +152,12 @@ def encode_result(value: Any, *, copy: bool = False) -> tuple[Any, str | None]:
         encoded = json.dumps(value, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         return None, f"result not stored: not a JSON value ({exc})"
+    # PostgreSQL's jsonb refuses both (and the statement that carries the success with the next
+    # claim would fail with it): looked for only when the JSON text has an escape of the kind.
+    if "\\u0000" in encoded or "\\ud" in encoded:
+        problem = _first_text_problem(value)
+        if problem:
+            return None, f"result not stored: a string in it {problem}"
     limit = platform_settings().max_result_bytes
     if len(encoded.encode()) > limit:
         return None, f"result not stored: {len(encoded)} bytes exceeds TASKPLATFORM_MAX_RESULT_BYTES={limit}"

@@ -23,6 +23,13 @@ first (``flush``, on Celery's ``worker_process_shutdown``; ``worker_shutdown`` f
 threads pools), for as long as the write may still succeed: until it lands or the attempt's
 lease is certainly lost.
 
+The success rides with the next claim. A success handed over is first parked
+(``park``): if the same pool process claims its next message within ``RIDE_SECONDS``, that
+claim's statement writes it too (``take``, ``settle``; ``core/_pg.py: _carrying``), so a
+steady stream costs one durable commit a task, not two, and no handoff to this thread. If no
+claim comes in time (the process is idle, or its next claim is not one statement: another
+database, a retry), this thread writes it as before; so does a flush.
+
 What changes is documented in ``docs/architecture.md`` ("The success, written behind the pool
 process"): a pool process killed in the milliseconds between its body's return and the write
 leaves the attempt to the rescuer, which runs the body again; the ledger says ``SUCCEEDED`` a
@@ -37,16 +44,47 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..core.leases import Watch
+    from ..core.types import FinishedAttempt
 
 log = logging.getLogger("taskplatform.tasks")
 
 #: How often a waiting ``flush`` looks whether the writes it waits for can still land.
 FLUSH_CHECK_SECONDS = 0.5
+#: How many writes a pool process may have handed over and not finished (parked included):
+#: a recorder that is stuck holds the pool process rather than letting successes pile up.
+OUTSTANDING = 1
+#: How long a parked success waits for the pool process's next claim to carry it before the
+#: recorder thread writes it: a pool process killed in that time leaves the attempt to the
+#: rescuer, which runs the body again (``docs/architecture.md``).
+RIDE_SECONDS = 0.05
+
+
+@dataclass(eq=False)
+class Parked:
+    """A success waiting for the next claim (``park``)."""
+
+    attempt: FinishedAttempt  #: what the claim's statement writes
+    write: Callable[[], None]  #: the recorder thread's own write of it, if no claim carries it
+    finish: Callable[[bool], None]  #: after a claim carried it: called with True (written) or False (stale)
+    watch: Watch | None
+    deadline: float = 0.0
+
+
+#: How long after its last parked success the recorder thread keeps waking every
+#: ``RIDE_SECONDS`` on its own; a success parked after that wakes it (``_WAKE``). Waking it for
+#: every success would cost the handoff that riding with the claim saves: the thread would
+#: take the GIL from the pool process each time.
+STAY_AWAKE_SECONDS = 1.0
+
+#: Wakes the recorder thread out of an untimed wait: a success was parked.
+_WAKE = object()
 
 
 class SuccessRecorder:
@@ -59,21 +97,65 @@ class SuccessRecorder:
         """A fresh state: at construction, and in a forked child (the parent's thread is not
         there, and its lock may have been held at the fork)."""
         self._cond = threading.Condition()
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Watch | None] | threading.Event] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Watch | None] | threading.Event | object] = (
+            queue.SimpleQueue()
+        )
         self._thread: threading.Thread | None = None
         self._held: list[Watch | None] = []  # the watches of writes handed over, not finished
+        self._parked: Parked | None = None
+        self._parked_at = float("-inf")  # when the last success was parked
+        self._timed = False  # the thread's wait ends by itself within ``RIDE_SECONDS``
 
-    def record(self, write: Callable[[], None], watch: Watch | None = None, *, limit: int = 1) -> None:
+    def record(self, write: Callable[[], None], watch: Watch | None = None, *, limit: int = OUTSTANDING) -> None:
         """Run ``write`` on the recorder thread (it handles its own errors); first wait until
         fewer than ``limit`` writes are outstanding. ``watch`` is the attempt's lease: ``flush``
         stops waiting for a write whose lease is lost."""
         with self._cond:
-            while len(self._held) >= limit:
-                self._ensure_thread()
-                self._cond.wait(FLUSH_CHECK_SECONDS)
-            self._ensure_thread()
+            self._wait_below(limit)
             self._held.append(watch)
             self._queue.put((write, watch))
+
+    def _wait_below(self, limit: int) -> None:
+        while len(self._held) >= limit:
+            self._ensure_thread()
+            self._cond.wait(FLUSH_CHECK_SECONDS)
+        self._ensure_thread()
+
+    def park(self, parked: Parked, *, limit: int = OUTSTANDING) -> None:
+        """Hold a success for the next claim (``take``) for up to ``RIDE_SECONDS``; the
+        recorder thread writes it after that. Waits as ``record`` does: a parked success is
+        an outstanding write."""
+        with self._cond:
+            self._wait_below(limit)
+            self._parked_at = time.monotonic()
+            parked.deadline = self._parked_at + RIDE_SECONDS
+            self._held.append(parked.watch)
+            if self._parked is not None:  # more than one outstanding allowed: the older one is written now
+                self._queue.put((self._parked.write, self._parked.watch))
+            self._parked = parked
+            if not self._timed:
+                self._queue.put(_WAKE)
+
+    def take(self) -> Parked | None:
+        """The parked success, for the caller's claim to carry; the caller must ``settle`` it."""
+        with self._cond:
+            parked, self._parked = self._parked, None
+            return parked
+
+    def settle(self, parked: Parked) -> None:
+        """After the claim that took ``parked``: done if the claim's statement wrote it (or
+        found it stale); otherwise (the statement failed, or could not carry it) the recorder
+        thread writes it now."""
+        written = parked.attempt.written
+        if written is None:
+            self._queue.put((parked.write, parked.watch))
+            return
+        try:
+            parked.finish(written)
+        finally:
+            with self._cond:
+                self._held.remove(parked.watch)
+                self._cond.notify_all()
 
     @property
     def pending(self) -> int:
@@ -88,6 +170,9 @@ class SuccessRecorder:
             if not self._held:
                 return True
             self._ensure_thread()
+            parked, self._parked = self._parked, None
+            if parked is not None:
+                self._queue.put((parked.write, parked.watch))
             done = threading.Event()
             self._queue.put(done)
         waited = 0.0
@@ -109,10 +194,30 @@ class SuccessRecorder:
         from django.db import connection
 
         while True:
-            item = self._queue.get()
+            with self._cond:
+                now = time.monotonic()
+                if self._parked is not None:
+                    timeout: float | None = max(0.0, self._parked.deadline - now)
+                elif now - self._parked_at < STAY_AWAKE_SECONDS:
+                    timeout = RIDE_SECONDS
+                else:
+                    timeout = None
+                self._timed = timeout is not None
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                with self._cond:
+                    parked = self._parked
+                    if parked is None or parked.deadline > time.monotonic():
+                        continue  # taken by a claim, or another success parked since
+                    self._parked = None
+                item = (parked.write, parked.watch)
+            if item is _WAKE:
+                continue
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            assert isinstance(item, tuple)
             write, watch = item
             try:
                 write()

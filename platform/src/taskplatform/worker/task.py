@@ -23,13 +23,14 @@ import logging
 import sys
 import time
 import traceback as tb_module
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from celery import Task
 from celery.canvas import Signature
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
-from django.db import InterfaceError, OperationalError, connection, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from .. import tracing
@@ -41,7 +42,7 @@ from ..exceptions import IdempotencyKeyConflictError, StaleExecutionError, TaskE
 from ..observability.logs import execution_context, remember_task
 from .lazy import lazy_module
 from .owner import owner_alive, worker_identity
-from .recorder import success_recorder
+from .recorder import Parked, success_recorder
 from .retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -173,6 +174,24 @@ def _defer_success(task: Task, request: Any) -> bool:
     if execution is not None and execution.flow_id is not None:
         return False  # a flow moves on once this success is written (``core/flows.py``)
     return bool(connection.vendor != "sqlite")
+
+
+def _success_data(started: float, ended: float, note: str | None) -> dict[str, Any]:
+    """The ``succeeded`` event's data: the body's duration, and why the result was not
+    stored as returned, if it was not."""
+    data: dict[str, Any] = {"duration_ms": round((ended - started) * 1000, 1)}
+    if note:
+        data["note"] = note
+    return data
+
+
+def _parked_for_claim() -> Parked | None:
+    """The success this pool process parked after its previous body, for the claim about to
+    run to carry (``worker/recorder.py``): one commit for both. None inside a transaction, whose
+    rollback would take the success with it, and where a claim cannot carry one."""
+    if connection.in_atomic_block or not connection.get_autocommit() or not ledger.carries_successes():
+        return None
+    return success_recorder().take()
 
 
 #: The longest lease a message may ask for (``HEADER_LEASE``): a week.
@@ -359,6 +378,37 @@ class IdempotentTask(Task):
         ``started_at`` is the same on a retry after a database error, so a claim that committed
         although its reply was lost is recognised as this delivery's own (``ledger.claim``).
         """
+        parked: Parked | None = None
+        try:
+            parked = _parked_for_claim()
+            try:
+                return self._claim_carrying(request, worker, args, kwargs, started_at, parked)
+            except DatabaseError as exc:
+                # Refused, not unreachable: perhaps for what the success carried. The success
+                # goes to the recorder, and the claim is made again alone, so one bad success
+                # cannot fail another execution's delivery.
+                if parked is None or parked.attempt.written is not None:
+                    raise
+                if isinstance(exc, (InterfaceError, OperationalError)):
+                    raise
+                log.warning("a claim carrying a success was refused; claiming alone", exc_info=True)
+            refused, parked = parked, None
+            success_recorder().settle(refused)
+            return self._claim_carrying(request, worker, args, kwargs, started_at, None)
+        finally:
+            if parked is not None:
+                success_recorder().settle(parked)
+
+    def _claim_carrying(
+        self,
+        request: Any,
+        worker: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        started_at: datetime,
+        parked: Parked | None,
+    ) -> core_types.Claim | None:
+        carried = parked.attempt if parked is not None else None
         headers = request.headers or {}
         execution_id = headers.get(HEADER_EXECUTION)
         if execution_id is not None:
@@ -370,6 +420,7 @@ class IdempotentTask(Task):
                 max_attempts_for=lambda job: self.retry_policy(job).max_attempts,
                 owner_alive=owner_alive,
                 started_at=started_at,
+                carried=carried,
             )
             if claim is None:
                 log.error(
@@ -397,7 +448,12 @@ class IdempotentTask(Task):
         )
         lease_seconds = self.lease_for(None)  # a plain call has no job definition
         created = ledger.create_claimed(
-            spec, worker=worker, celery_task_id=request.id, lease_seconds=lease_seconds, started_at=started_at
+            spec,
+            worker=worker,
+            celery_task_id=request.id,
+            lease_seconds=lease_seconds,
+            started_at=started_at,
+            carried=carried,
         )
         if created is not None:
             return created
@@ -731,11 +787,44 @@ class IdempotentTask(Task):
                     leases.lease_keeper().unwatch(watch)
 
         try:
-            success_recorder().record(write, watch)
+            if ledger.carries_successes():
+                stored, why_not = encoded
+                attempt = core_types.FinishedAttempt(
+                    execution.pk, token, stored, worker, _success_data(started, ended, why_not), timezone.now()
+                )
+                success_recorder().park(
+                    Parked(attempt, write, self._carried_success(execution, token, worker, watch), watch)
+                )
+            else:
+                success_recorder().record(write, watch)
         except Exception:
             log.warning("the success recorder could not take a success; writing it here", exc_info=True)
             return False
         return True
+
+    @staticmethod
+    def _carried_success(execution: Execution, token: int, worker: str, watch: leases.Watch) -> Callable[[bool], None]:
+        """What follows a parked success that the next claim's statement wrote (True) or found
+        stale (False): as after the recorder's own write. Never raises into that claim."""
+
+        def finish(written: bool) -> None:
+            try:
+                if not written:
+                    with execution_context(execution.pk, execution.idempotency_key, token):
+                        if ledger.record_stale_write(execution.pk, token, worker=worker, what="succeed"):
+                            log.warning(
+                                "execution %s: success of attempt with fencing token %s refused (the execution "
+                                "was re-claimed, rescued or cancelled meanwhile)",
+                                execution.pk,
+                                token,
+                                extra={"execution_id": execution.pk, "fencing_token": token},
+                            )
+            except Exception:
+                log.error("a refused success could not be audited", exc_info=True, extra={"execution_id": execution.pk})
+            finally:
+                leases.lease_keeper().unwatch(watch)
+
+        return finish
 
     def _record_success(
         self,
@@ -750,10 +839,7 @@ class IdempotentTask(Task):
     ) -> None:
         stored, why_not = encoded if encoded is not None else encode_result(result)
         ended = time.monotonic() if until is None else until
-        data: dict[str, Any] = {"duration_ms": round((ended - started) * 1000, 1)}
-        if why_not or note:
-            data["note"] = why_not or note
-        ledger.succeed(execution, token, stored, worker=worker, data=data)
+        ledger.succeed(execution, token, stored, worker=worker, data=_success_data(started, ended, why_not or note))
 
     def _record_failure(
         self,
