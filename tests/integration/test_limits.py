@@ -97,8 +97,25 @@ def test_a_concurrency_limit_of_two_holds_across_two_workers_and_a_sigkill(worke
         return False
 
     poll(frozen_mid_body, timeout=120, interval=0.05, what="the first worker frozen while it runs a body")
+    from taskplatform.backends import get_lock_backend
+
+    backend = get_lock_backend()
+    limit_id = Limit.objects.get(task_name="testapp.limited").pk
+    slots = [f"limit:{limit_id}:running:{i}" for i in range(2)]
+    doomed_pids = {c.pid for c in doomed.pool_children()}
+
+    def doomed_owners() -> list[str]:
+        """The running slots held by the frozen worker's pool processes (an owner names its
+        attempt's worker, ``<node>:<pid>:...``)."""
+        owners = [info.owner for info in map(backend.inspect, slots) if info is not None and info.owner]
+        return [o for o in owners if any(f":{pid}:" in o for pid in doomed_pids)]
+
+    held_by_doomed = doomed_owners()
     os.killpg(doomed.pid, signal.SIGKILL)
     killed_at = time.time()
+    # The slot the dead worker held frees within its lease (the lock backend's own expiry).
+    assert held_by_doomed, "the frozen worker held a running slot"
+    poll(lambda: not doomed_owners(), timeout=LEASE_SECONDS + 4, interval=0.2, what="the dead worker's slots free")
     try:
         poll(lambda: all_succeeded("conc", n), timeout=150, interval=0.5, what="every limited execution succeeded")
     except AssertionError as exc:
@@ -111,20 +128,23 @@ def test_a_concurrency_limit_of_two_holds_across_two_workers_and_a_sigkill(worke
     killed = [s for _, s, e in rows if e is None]
     assert killed, "the kill interrupted a body"
     assert len({k for k, _, e in rows if e is not None}) == n, "every key ran to the end"
-    # The slot the dead worker held frees within its lease: two bodies run at once again soon.
+    # Two bodies ran at once again after the kill. Not within a bound: once the dead slot has
+    # freed (checked above), a second body starts at the next wake or waiter's backstop, which
+    # ``limits._full`` spreads over a window that grows with the backlog.
     after = sorted((s, e) for s, e in spans if s > killed_at)
-    two_again = next(
-        (s for s, _ in after if sum(1 for s2, e2 in spans if s2 <= s < e2) >= 2), None
-    )  # the first start after the kill with another body running
-    assert two_again is not None and two_again - killed_at < LEASE_SECONDS + 4, (
-        f"two at once again {None if two_again is None else round(two_again - killed_at, 1)} s after the kill"
-    )
+    assert any(sum(1 for s2, e2 in spans if s2 <= s < e2) >= 2 for s, _ in after), "two at once again"
     assert ExecutionEvent.objects.filter(kind="waiting_for_limit").exists()
     assert ExecutionEvent.objects.filter(kind="woken").exists(), "a freed slot woke a waiter"
     # No attempt was counted for a wait: a row made one attempt per run, plus one for an
     # attempt the kill cut short before its body started (the rescuer says so).
     runs = dict(Span.objects.values_list("key").annotate(n=Count("id")))
-    rescued = set(ExecutionEvent.objects.filter(kind="rescued").values_list("execution__idempotency_key", flat=True))
+    # The kill's cut-short attempt is brought back by the rescuer, or taken over by the next
+    # delivery once its owner is known dead: either way one attempt with no body.
+    rescued = set(
+        ExecutionEvent.objects.filter(kind__in=("rescued", "taken_over")).values_list(
+            "execution__idempotency_key", flat=True
+        )
+    )
     for key, attempts in Execution.objects.filter(idempotency_key__startswith="conc").values_list(
         "idempotency_key", "attempts"
     ):
