@@ -4,6 +4,7 @@ retry a dead letter with a reason and find the audit event, look at the locks pa
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -40,7 +41,11 @@ def test_an_operator_creates_a_cron_job_watches_it_run_and_retries_a_dead_letter
     page.select_option("#id_schedule_kind", "cron")
     page.fill("#id_cron", "* * * * *")
     page.select_option("#id_timezone", "America/New_York")
-    page.wait_for_function("document.querySelectorAll('#tp-next-runs li').length === 5")
+    # The preview answers the form's last state (an earlier, slower answer never replaces it).
+    page.wait_for_function(
+        "(() => { const runs = [...document.querySelectorAll('#tp-next-runs li')];"
+        " return runs.length === 5 && runs.every(r => / E[SD]T$/.test(r.textContent)); })()"
+    )
     runs = page.locator("#tp-next-runs li").all_inner_texts()
     assert all(" E" in run and run.endswith(("EST", "EDT")) for run in runs), runs
     assert "Every minute" in page.inner_text("#tp-schedule-preview")
@@ -81,3 +86,52 @@ def test_an_operator_creates_a_cron_job_watches_it_run_and_retries_a_dead_letter
     assert "leader" in page.inner_text("#tp-beats")
     assert "taskplatform.beat" in page.inner_text("#content")
     screenshot(page, "locks")
+
+
+def test_a_slow_preview_answer_for_an_older_form_state_never_replaces_the_current_one(
+    live_server: Any, page: Any
+) -> None:
+    """The preview's requests are held and answered newest first: the older answers (an empty
+    cron, the default time zone) arrive last and must not replace the current preview."""
+    User.objects.create_superuser("ops", "ops@example.invalid", "a-long-test-password")
+    base = live_server.url
+    page.goto(f"{base}/admin/login/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "a-long-test-password")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#tp-overview")
+
+    held: list[Any] = []
+    issued: list[str] = []
+    page.on("request", lambda request: issued.append(request.url) if "/preview/?" in request.url else None)
+    page.route("**/jobdefinition/preview/?*", lambda route: held.append(route))
+    page.goto(f"{base}/admin/taskplatform/jobdefinition/add/")
+    page.select_option("#id_schedule_kind", "cron")
+    page.fill("#id_cron", "* * * * *")
+    page.select_option("#id_timezone", "America/New_York")
+
+    def current(route: Any) -> bool:
+        return "America%2FNew_York" in route.request.url and "cron=*+*+*+*+*" in route.request.url
+
+    deadline = time.monotonic() + 20
+    while not any(current(route) for route in held):
+        assert time.monotonic() < deadline, [route.request.url for route in held]
+        page.wait_for_timeout(50)  # lets Playwright dispatch the route handlers while we poll
+    newest = max(i for i, route in enumerate(held) if current(route))
+    held.pop(newest).continue_()
+    page.wait_for_function("document.querySelectorAll('#tp-next-runs li').length === 5")
+    assert any(not current(route) for route in held), "no older request to answer late"
+
+    # Answer every older request now (and any the debounce still sends), then wait until the
+    # page has read them all.
+    while True:
+        while held:
+            held.pop(0).continue_()
+        answered = page.evaluate("Number(document.getElementById('tp-schedule-preview').dataset.answers || 0)")
+        if answered == len(issued):
+            break
+        assert time.monotonic() < deadline, (len(issued), held)
+        page.wait_for_timeout(50)
+    runs = page.locator("#tp-next-runs li").all_inner_texts()
+    assert len(runs) == 5 and all(run.endswith(("EST", "EDT")) for run in runs), runs
+    assert "Every minute" in page.inner_text("#tp-schedule-preview")
