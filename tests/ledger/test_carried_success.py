@@ -177,3 +177,53 @@ def test_a_result_postgresql_would_refuse_is_not_stored_so_it_cannot_fail_a_clai
     )  # fmt: skip
     assert claimed is not None and attempt.written is True
     assert Execution.objects.get(pk=done.pk).state == State.SUCCEEDED
+
+
+def test_a_claim_whose_carried_success_is_refused_is_made_again_alone_and_the_success_written_apart() -> None:
+    """The worker's side of a refused carrying statement (``IdempotentTask._claim``): the
+    database refuses what the parked success carries (here a NUL in its event's data), so the
+    claim is made again without it, the delivery is not failed, and the success goes to the
+    recorder thread, whose own write records it."""
+    from types import SimpleNamespace
+
+    from taskplatform.worker.recorder import Parked, success_recorder
+    from tests.testapp.tasks import effect
+
+    done, good = running("refused-carry")
+    poisoned = FinishedAttempt(good.execution_id, good.token, good.result, WORKER, {"note": "a\x00b"}, good.finished_at)
+
+    def write() -> None:  # the recorder thread's own write, as the worker's would be
+        try:
+            ledger.succeed(ledger.get(done.pk), good.token, good.result, worker=WORKER, data=good.data)
+        finally:
+            connection.close()  # the thread's own connection, so the test database can be dropped
+
+    recorder = success_recorder()
+    recorder.park(Parked(poisoned, write, lambda written: None, None))
+    task = effect
+    request = SimpleNamespace(headers={}, id="t-alone", delivery_info={}, replaced_task_nesting=0)
+    claim = task._claim(request, WORKER, (1,), {}, timezone.now())
+    assert claim is not None and claim.outcome == "claimed"
+    assert Execution.objects.get(pk=claim.execution.pk).state == State.RUNNING
+    assert poisoned.written is None  # the carrying statement was rolled back
+    assert recorder.flush(timeout=10)
+    row = Execution.objects.get(pk=done.pk)
+    assert row.state == State.SUCCEEDED and row.worker == WORKER
+
+
+def test_a_redelivery_of_the_execution_whose_success_it_carries_finds_it_succeeded() -> None:
+    """The next message of a pool process is a second delivery of the execution it just
+    finished (a redelivery, a republication): the one statement writes the success and claims
+    nothing (the row is not a first attempt's), and the claim that follows, alone, sees the
+    row succeeded and absorbs the delivery. No second body runs."""
+    done, attempt = running("redelivered")
+    token_before = Execution.objects.get(pk=done.pk).fencing_token
+    delivery = Delivery(done.pk, "testapp.effect", [1], {}, WORKER, "t-again")
+    claimed = ledger.claim_message(
+        delivery, default_lease_seconds=60, lease_seconds_for=lambda job: 60, max_attempts_for=lambda job: 3,
+        owner_alive=lambda worker: True, carried=attempt,
+    )  # fmt: skip
+    assert attempt.written is True
+    assert claimed is not None and claimed.outcome != "claimed"
+    row = Execution.objects.get(pk=done.pk)
+    assert row.state == State.SUCCEEDED and row.fencing_token == token_before and row.attempts == 1
