@@ -616,6 +616,19 @@ def statements_per_execution() -> dict[str, float]:
     return counts
 
 
+def paired_ratio(rounds: list[dict[str, Any]], plain_rounds: list[dict[str, Any]]) -> float | None:
+    """The median over the rounds of a variant's end-to-end rate over plain Celery's in the
+    same round: the rounds are interleaved, so a machine whose speed drifts during the run
+    moves both sides of each ratio together, where the ratio of the two medians can pair a
+    fast round with a slow one."""
+    pairs = [
+        r["tasks_per_second"] / p["tasks_per_second"]
+        for r, p in zip(rounds, plain_rounds, strict=False)
+        if p["tasks_per_second"]
+    ]
+    return round(statistics.median(pairs), 2) if pairs else None
+
+
 def measure(body: str, variants: list[str], tasks: int, repeat: int) -> dict[str, Any]:
     """Every variant with one body, ``repeat`` interleaved rounds; medians and the table."""
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
@@ -638,9 +651,10 @@ def measure(body: str, variants: list[str], tasks: int, repeat: int) -> dict[str
     }
     base = best.get("plain", {}).get("tasks_per_second")
     drain_base = best.get("plain", {}).get("drain_per_second")
-    for r in best.values():
+    for v, r in best.items():
         r["ratio"] = round(r["tasks_per_second"] / base, 2) if base else None
         r["drain_ratio"] = round(r["drain_per_second"] / drain_base, 2) if drain_base else None
+        r["paired_ratio"] = paired_ratio(runs[v], runs.get("plain", []))
 
     print()
     print(
@@ -648,14 +662,19 @@ def measure(body: str, variants: list[str], tasks: int, repeat: int) -> dict[str
         f"Celery: Redis broker, prefork -c {CONCURRENCY}, acks_late, prefetch 1; "
         f"Procrastinate: one worker, concurrency {CONCURRENCY}"
     )
-    print(f"{'variant':<64} {'e2e/s':>7} {'vs plain':>8} {'drain/s':>8} {'vs plain':>8} {'publish/s':>9} {'PG tx':>6}")
+    print("(paired: the median of each round's ratio to plain Celery in the same round, steadier when the")
+    print(" machine's speed drifts during the run)")
+    print(
+        f"{'variant':<64} {'e2e/s':>7} {'vs plain':>8} {'paired':>7} {'drain/s':>8} {'vs plain':>8} "
+        f"{'publish/s':>9} {'PG tx':>6}"
+    )
     for v in variants:
         r = best[v]
         spread = ", ".join(str(x["tasks_per_second"]) for x in runs[v])
         print(
-            f"{VARIANTS[v]:<64} {r['tasks_per_second']:>7} {r['ratio'] or '-':>8} {r['drain_per_second']:>8} "
-            f"{r['drain_ratio'] or '-':>8} {r['publish_per_second']:>9} {r['pg_transactions_per_task']:>6}   "
-            f"e2e runs [{spread}]; {r['check']}"
+            f"{VARIANTS[v]:<64} {r['tasks_per_second']:>7} {r['ratio'] or '-':>8} {r['paired_ratio'] or '-':>7} "
+            f"{r['drain_per_second']:>8} {r['drain_ratio'] or '-':>8} {r['publish_per_second']:>9} "
+            f"{r['pg_transactions_per_task']:>6}   e2e runs [{spread}]; {r['check']}"
         )
     print()
     groups = ("producer", "worker", "postgres", "redis")
@@ -700,9 +719,13 @@ def main() -> None:
         results.append(measure(body, body_variants, args.body_tasks or args.tasks, args.repeat))
     statements = statements_per_execution()
     if len(results) > 1:
-        print("ratio to plain Celery, end to end (drain), by body:")
+        print("ratio to plain Celery, end to end (drain; paired), by body:")
         for result in results:
-            cells = [f"{v} {r['ratio']} ({r['drain_ratio']})" for v, r in result["median"].items() if v != "plain"]
+            cells = [
+                f"{v} {r['ratio']} ({r['drain_ratio']}; paired {r['paired_ratio']})"
+                for v, r in result["median"].items()
+                if v != "plain"
+            ]
             print(f"  {result['body']:<8} " + "; ".join(cells))
         print()
     print("SQL statements per execution (in-process count):", json.dumps(statements))
