@@ -4,7 +4,7 @@
 
 Each task is what a worker's pool process commits for it on the ``.delay()`` path: the row
 created already claimed (``ledger.create_claimed``), and the success (``ledger.succeed``).
-Variants, in alternating blocks (A B C D E, then E D C B A, …):
+Variants, in alternating blocks (A B C …, then … C B A, …):
 
 * ``separate``: the two as two prepared statements in autocommit, two durable commits: what a
   pool process that is not busy commits (its parked success written by the recorder thread,
@@ -15,6 +15,11 @@ Variants, in alternating blocks (A B C D E, then E D C B A, …):
   history on the happy path would save;
 * ``two_indexes``: as ``no_events``, into a copy of the execution table with only its primary
   key and its idempotency key indexed: what the other indexes cost on top;
+* ``partial_indexes``: as ``no_events``, into a copy of the execution table with every index
+  of the real one, but with those whose rows a happy path passes through made partial: the
+  job's (``job_id IS NOT NULL``), ``(state, due_at)`` (``due_at IS NOT NULL``: a claim clears
+  it), ``(state, finished_at)`` (``finished_at IS NOT NULL``) and ``(state, lease_expires_at)``
+  (``state = 'RUNNING'``): what the entries a claimed-then-succeeded row need not have cost;
 * ``floor``: ``bench/benchapp/bodies.py``'s ``two_commits``, a one-row insert and an update by
   key into a three-column table, the floor variant's two commits in ``bench/run.py``.
 
@@ -43,7 +48,23 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
 
 #: The copy of the execution table the ``two_indexes`` variant writes into.
 LEAN_TABLE = "bench_statements_execution"
-VARIANTS = ("separate", "carried", "no_events", "two_indexes", "floor")
+#: The copy the ``partial_indexes`` variant writes into.
+PARTIAL_TABLE = "bench_statements_partial"
+VARIANTS = ("separate", "carried", "no_events", "two_indexes", "partial_indexes", "floor")
+#: ``partial_indexes``' table's indexes beyond its primary key and key: the real table's, with
+#: the four a claimed-then-succeeded row passes through made partial.
+PARTIAL_INDEXES = (
+    "(idempotency_key varchar_pattern_ops)",
+    "(job_id) WHERE job_id IS NOT NULL",
+    "(created_at)",
+    "(state, due_at) WHERE due_at IS NOT NULL",
+    "(state, finished_at) WHERE finished_at IS NOT NULL",
+    "(state, lease_expires_at) WHERE state = 'RUNNING'",
+    "(trigger, id)",
+    "(job_id, id) WHERE state = 'WAITING'",
+    "(waiting_on_limit, id) WHERE state = 'WAITING'",
+    "(task_name, id) WHERE state = 'WAITING'",
+)
 
 
 def _without_events(sql: str) -> str:
@@ -70,13 +91,14 @@ def _statements(variant: str) -> Iterator[None]:
     original = _pg._create_claimed_sql
     claim = {carrying: original(carrying) for carrying in (False, True)}
     succeed_sql = _pg._succeed_sql()
-    if variant in ("no_events", "two_indexes"):
+    if variant in ("no_events", "two_indexes", "partial_indexes"):
         claim = {c: (_without_events(sql), fields, order) for c, (sql, fields, order) in claim.items()}
         succeed_sql = _without_events(succeed_sql)
-    if variant == "two_indexes":
+    copy = {"two_indexes": LEAN_TABLE, "partial_indexes": PARTIAL_TABLE}.get(variant)
+    if copy:
         table = connection.ops.quote_name("taskplatform_execution")
-        claim = {c: (sql.replace(table, LEAN_TABLE), fields, order) for c, (sql, fields, order) in claim.items()}
-        succeed_sql = succeed_sql.replace(table, LEAN_TABLE)
+        claim = {c: (sql.replace(table, copy), fields, order) for c, (sql, fields, order) in claim.items()}
+        succeed_sql = succeed_sql.replace(table, copy)
     saved = _pg._create_claimed_sql, _pg._succeed_sql
     _pg._create_claimed_sql = lambda carrying: claim[carrying]  # type: ignore[assignment]
     _pg._succeed_sql = lambda: succeed_sql  # type: ignore[assignment]
@@ -174,12 +196,15 @@ def main() -> None:
     from django.db import connection
 
     with connection.cursor() as cur:
-        cur.execute(f"DROP TABLE IF EXISTS {LEAN_TABLE}")
-        cur.execute(
-            f"CREATE TABLE {LEAN_TABLE} (LIKE taskplatform_execution INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
-            f"INCLUDING IDENTITY)"
-        )
-        cur.execute(f"ALTER TABLE {LEAN_TABLE} ADD PRIMARY KEY (id), ADD UNIQUE (idempotency_key)")
+        for copy in (LEAN_TABLE, PARTIAL_TABLE):
+            cur.execute(f"DROP TABLE IF EXISTS {copy}")
+            cur.execute(
+                f"CREATE TABLE {copy} (LIKE taskplatform_execution INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
+                f"INCLUDING IDENTITY)"
+            )
+            cur.execute(f"ALTER TABLE {copy} ADD PRIMARY KEY (id), ADD UNIQUE (idempotency_key)")
+        for index in PARTIAL_INDEXES:
+            cur.execute(f"CREATE INDEX ON {PARTIAL_TABLE} {index}")
         cur.execute("SELECT pg_backend_pid()")
         (backend,) = cur.fetchone()
     results: dict[str, list[tuple[float, float, float]]] = {v: [] for v in VARIANTS}
@@ -191,15 +216,15 @@ def main() -> None:
                 results[variant].append(block(variant, args.per_block, backend))
     finally:
         with connection.cursor() as cur:
-            cur.execute(f"DROP TABLE IF EXISTS {LEAN_TABLE}")
+            cur.execute(f"DROP TABLE IF EXISTS {LEAN_TABLE}, {PARTIAL_TABLE}")
             tables = "taskplatform_executionevent, taskplatform_execution, benchapp_benchfloor"
             cur.execute(f"TRUNCATE {tables} RESTART IDENTITY CASCADE")
     print(f"{args.blocks} alternating blocks of {args.per_block} tasks (created claimed, succeeded), µs a task")
-    print(f"{'variant':<14}{'wall median':>12}{'wall min':>10}{'client CPU':>12}{'server CPU':>12}")
+    print(f"{'variant':<16}{'wall median':>12}{'wall min':>10}{'client CPU':>12}{'server CPU':>12}")
     for variant, rows in results.items():
         wall = [r[0] for r in rows]
         print(
-            f"{variant:<14}{statistics.median(wall):>12.0f}{min(wall):>10.0f}"
+            f"{variant:<16}{statistics.median(wall):>12.0f}{min(wall):>10.0f}"
             f"{statistics.median(r[1] for r in rows):>12.0f}{statistics.median(r[2] for r in rows):>12.0f}"
         )
 
