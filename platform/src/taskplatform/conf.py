@@ -65,7 +65,7 @@ class PlatformSettings:
     prepared_statements: bool = True
     #: A finished non-atomic body's success is written while its pool process takes its next
     #: message (``worker/recorder.py``): on PostgreSQL by the next claim's own statement if it
-    #: comes within 50 ms, otherwise by a thread of the pool process; one durable commit a task
+    #: comes within 10 ms, otherwise by a thread of the pool process; one durable commit a task
     #: in a busy process. A pool process killed before that write lands leaves its attempt to
     #: the rescuer, which runs the body again. False: the pool process
     #: writes it before Celery acknowledges the message. Atomic bodies always commit their
