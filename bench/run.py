@@ -621,19 +621,22 @@ def paired_ratio(rounds: list[dict[str, Any]], plain_rounds: list[dict[str, Any]
     same round: the rounds are interleaved, so a machine whose speed drifts during the run
     moves both sides of each ratio together, where the ratio of the two medians can pair a
     fast round with a slow one."""
+    if not plain_rounds:
+        return None
     pairs = [
         r["tasks_per_second"] / p["tasks_per_second"]
-        for r, p in zip(rounds, plain_rounds, strict=False)
+        for r, p in zip(rounds, plain_rounds, strict=True)
         if p["tasks_per_second"]
     ]
     return round(statistics.median(pairs), 2) if pairs else None
 
 
 def measure(body: str, variants: list[str], tasks: int, repeat: int) -> dict[str, Any]:
-    """Every variant with one body, ``repeat`` interleaved rounds; medians and the table."""
+    """Every variant with one body, ``repeat`` interleaved rounds (every other one in reverse
+    order, so no variant always runs first or last in a round); medians and the table."""
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for round_no in range(repeat):
-        for variant in variants:
+        for variant in variants if round_no % 2 == 0 else variants[::-1]:
             result = run_variant(variant, tasks, body)
             runs[variant].append(result)
             print(f"round {round_no + 1}: {json.dumps(result)}", flush=True)

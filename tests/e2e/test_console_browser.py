@@ -102,8 +102,8 @@ def test_a_slow_preview_answer_for_an_older_form_state_never_replaces_the_curren
     page.wait_for_selector("#tp-overview")
 
     held: list[Any] = []
-    issued: list[str] = []
-    page.on("request", lambda request: issued.append(request.url) if "/preview/?" in request.url else None)
+    issued_at = [time.monotonic()]
+    page.on("request", lambda request: issued_at.append(time.monotonic()) if "/preview/?" in request.url else None)
     page.route("**/jobdefinition/preview/?*", lambda route: held.append(route))
     page.goto(f"{base}/admin/taskplatform/jobdefinition/add/")
     page.select_option("#id_schedule_kind", "cron")
@@ -113,25 +113,60 @@ def test_a_slow_preview_answer_for_an_older_form_state_never_replaces_the_curren
     def current(route: Any) -> bool:
         return "America%2FNew_York" in route.request.url and "cron=*+*+*+*+*" in route.request.url
 
-    deadline = time.monotonic() + 20
-    while not any(current(route) for route in held):
-        assert time.monotonic() < deadline, [route.request.url for route in held]
-        page.wait_for_timeout(50)  # lets Playwright dispatch the route handlers while we poll
-    newest = max(i for i, route in enumerate(held) if current(route))
-    held.pop(newest).continue_()
-    page.wait_for_function("document.querySelectorAll('#tp-next-runs li').length === 5")
-    assert any(not current(route) for route in held), "no older request to answer late"
+    def answers() -> int:
+        return int(page.evaluate("Number(document.getElementById('tp-schedule-preview').dataset.answers || 0)"))
 
-    # Answer every older request now (and any the debounce still sends), then wait until the
-    # page has read them all.
-    while True:
-        while held:
-            held.pop(0).continue_()
-        answered = page.evaluate("Number(document.getElementById('tp-schedule-preview').dataset.answers || 0)")
-        if answered == len(issued):
-            break
-        assert time.monotonic() < deadline, (len(issued), held)
-        page.wait_for_timeout(50)
+    deadline = time.monotonic() + 20
+
+    def poll(done: Any, what: str) -> None:
+        while not done():
+            assert time.monotonic() < deadline, what
+            page.wait_for_timeout(50)  # lets Playwright dispatch its events while we poll
+
+    # Every request the form makes is sent (the typing's debounce is 250 ms) and held.
+    poll(lambda: any(map(current, held)) and time.monotonic() - issued_at[-1] > 0.5, "the form's requests")
+    newest = held.pop()
+    assert current(newest), [route.request.url for route in held]
+    newest.continue_()
+    poll(lambda: answers() == 1, "the newest request's answer")
+    runs = page.locator("#tp-next-runs li").all_inner_texts()
+    assert len(runs) == 5 and all(run.endswith(("EST", "EDT")) for run in runs), runs
+
+    # Now the older requests' answers, one at a time, those for older form states last.
+    older = sorted(held, key=lambda route: not current(route))
+    assert older and not current(older[-1]), "no older form state to answer late"
+    for route in older:
+        seen = answers()
+        route.continue_()
+        poll(lambda seen=seen: answers() == seen + 1, "an older request's answer")
     runs = page.locator("#tp-next-runs li").all_inner_texts()
     assert len(runs) == 5 and all(run.endswith(("EST", "EDT")) for run in runs), runs
     assert "Every minute" in page.inner_text("#tp-schedule-preview")
+
+
+def test_a_preview_request_that_fails_says_so_instead_of_leaving_an_older_preview(live_server: Any, page: Any) -> None:
+    """The server answers the form's current state with an error page: the preview says it is
+    unavailable rather than keep the answer for an earlier state of the form."""
+    User.objects.create_superuser("ops", "ops@example.invalid", "a-long-test-password")
+    base = live_server.url
+    page.goto(f"{base}/admin/login/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "a-long-test-password")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#tp-overview")
+
+    def answer(route: Any) -> None:
+        if "America%2FNew_York" in route.request.url:
+            route.fulfill(status=500, content_type="text/html", body="<h1>Server Error (500)</h1>")
+        else:
+            route.continue_()
+
+    page.route("**/jobdefinition/preview/?*", answer)
+    page.goto(f"{base}/admin/taskplatform/jobdefinition/add/")
+    page.select_option("#id_schedule_kind", "cron")
+    page.fill("#id_cron", "* * * * *")
+    page.wait_for_selector("#tp-next-runs li")  # the preview of the form before the time zone
+    page.select_option("#id_timezone", "America/New_York")
+    page.wait_for_selector("#tp-schedule-preview .errornote")
+    assert "unavailable (HTTP 500)" in page.inner_text("#tp-schedule-preview")
+    assert page.locator("#tp-next-runs").count() == 0

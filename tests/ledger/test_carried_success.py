@@ -179,16 +179,22 @@ def test_a_result_postgresql_would_refuse_is_not_stored_so_it_cannot_fail_a_clai
     assert Execution.objects.get(pk=done.pk).state == State.SUCCEEDED
 
 
-def test_a_claim_whose_carried_success_is_refused_is_made_again_alone_and_the_success_written_apart() -> None:
+def test_a_claim_whose_carried_success_is_refused_is_made_again_alone_and_the_success_written_apart(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """The worker's side of a refused carrying statement (``IdempotentTask._claim``): the
     database refuses what the parked success carries (here a NUL in its event's data), so the
     claim is made again without it, the delivery is not failed, and the success goes to the
     recorder thread, whose own write records it."""
+    import logging
     from types import SimpleNamespace
 
+    from taskplatform.worker import recorder as recorder_module
     from taskplatform.worker.recorder import Parked, success_recorder
     from tests.testapp.tasks import effect
 
+    # The claim, not the recorder thread's deadline, must be what takes the parked success.
+    monkeypatch.setattr(recorder_module, "RIDE_SECONDS", 60.0)
     done, good = running("refused-carry")
     poisoned = FinishedAttempt(good.execution_id, good.token, good.result, WORKER, {"note": "a\x00b"}, good.finished_at)
 
@@ -200,13 +206,16 @@ def test_a_claim_whose_carried_success_is_refused_is_made_again_alone_and_the_su
 
     recorder = success_recorder()
     recorder.park(Parked(poisoned, write, lambda written: None, None))
-    task = effect
-    request = SimpleNamespace(headers={}, id="t-alone", delivery_info={}, replaced_task_nesting=0)
-    claim = task._claim(request, WORKER, (1,), {}, timezone.now())
-    assert claim is not None and claim.outcome == "claimed"
-    assert Execution.objects.get(pk=claim.execution.pk).state == State.RUNNING
-    assert poisoned.written is None  # the carrying statement was rolled back
-    assert recorder.flush(timeout=10)
+    try:
+        request = SimpleNamespace(headers={}, id="t-alone", delivery_info={}, replaced_task_nesting=0)
+        with caplog.at_level(logging.WARNING, logger="taskplatform.tasks"):
+            claim = effect._claim(request, WORKER, (1,), {}, timezone.now())
+        assert any("claiming alone" in record.getMessage() for record in caplog.records), caplog.text
+        assert claim is not None and claim.outcome == "claimed"
+        assert Execution.objects.get(pk=claim.execution.pk).state == State.RUNNING
+        assert poisoned.written is None  # the carrying statement was rolled back
+    finally:
+        assert recorder.flush(timeout=10)  # nothing of this test's left for the next one
     row = Execution.objects.get(pk=done.pk)
     assert row.state == State.SUCCEEDED and row.worker == WORKER
 
@@ -224,6 +233,7 @@ def test_a_redelivery_of_the_execution_whose_success_it_carries_finds_it_succeed
         owner_alive=lambda worker: True, carried=attempt,
     )  # fmt: skip
     assert attempt.written is True
-    assert claimed is not None and claimed.outcome != "claimed"
+    assert claimed is not None and claimed.outcome == "finished"
     row = Execution.objects.get(pk=done.pk)
     assert row.state == State.SUCCEEDED and row.fencing_token == token_before and row.attempts == 1
+    assert ExecutionEvent.objects.filter(execution_id=done.pk, kind="already_finished").exists()
