@@ -17,22 +17,26 @@ from tests.helpers import state_of, wait_for
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_an_operator_creates_a_cron_job_watches_it_run_and_retries_a_dead_letter(
-    live_server: Any, page: Any, screenshot: Any, workers: Any, beats: Any
-) -> None:
+def log_in(live_server: Any, page: Any) -> str:
+    """A superuser ``ops`` logged in to the console; the live server's base URL."""
     User.objects.create_superuser("ops", "ops@example.invalid", "a-long-test-password")
-    workers.start(concurrency=2)
-    beats.start(env={"TASKPLATFORM_BEAT_SYNC_SECONDS": "1"})
-    dead = submit("testapp.fatal")
-    wait_for(lambda: state_of(dead.pk) == "FAILED", timeout=60, what="a dead letter to retry later")
-    base = live_server.url
-
-    # Log in.
+    base = str(live_server.url)
     page.goto(f"{base}/admin/login/")
     page.fill("#id_username", "ops")
     page.fill("#id_password", "a-long-test-password")
     page.click("input[type=submit]")
     page.wait_for_selector("#tp-overview")
+    return base
+
+
+def test_an_operator_creates_a_cron_job_watches_it_run_and_retries_a_dead_letter(
+    live_server: Any, page: Any, screenshot: Any, workers: Any, beats: Any
+) -> None:
+    workers.start(concurrency=2)
+    beats.start(env={"TASKPLATFORM_BEAT_SYNC_SECONDS": "1"})
+    dead = submit("testapp.fatal")
+    wait_for(lambda: state_of(dead.pk) == "FAILED", timeout=60, what="a dead letter to retry later")
+    base = log_in(live_server, page)
 
     # Create a cron job in a time zone; the preview shows its next runs in that zone.
     page.goto(f"{base}/admin/taskplatform/jobdefinition/add/")
@@ -93,13 +97,7 @@ def test_a_slow_preview_answer_for_an_older_form_state_never_replaces_the_curren
 ) -> None:
     """The preview's requests are held and answered newest first: the older answers (an empty
     cron, the default time zone) arrive last and must not replace the current preview."""
-    User.objects.create_superuser("ops", "ops@example.invalid", "a-long-test-password")
-    base = live_server.url
-    page.goto(f"{base}/admin/login/")
-    page.fill("#id_username", "ops")
-    page.fill("#id_password", "a-long-test-password")
-    page.click("input[type=submit]")
-    page.wait_for_selector("#tp-overview")
+    base = log_in(live_server, page)
 
     held: list[Any] = []
     issued_at = [time.monotonic()]
@@ -147,13 +145,7 @@ def test_a_slow_preview_answer_for_an_older_form_state_never_replaces_the_curren
 def test_a_preview_request_that_fails_says_so_instead_of_leaving_an_older_preview(live_server: Any, page: Any) -> None:
     """The server answers the form's current state with an error page: the preview says it is
     unavailable rather than keep the answer for an earlier state of the form."""
-    User.objects.create_superuser("ops", "ops@example.invalid", "a-long-test-password")
-    base = live_server.url
-    page.goto(f"{base}/admin/login/")
-    page.fill("#id_username", "ops")
-    page.fill("#id_password", "a-long-test-password")
-    page.click("input[type=submit]")
-    page.wait_for_selector("#tp-overview")
+    base = log_in(live_server, page)
 
     def answer(route: Any) -> None:
         if "America%2FNew_York" in route.request.url:
