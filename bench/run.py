@@ -61,6 +61,8 @@ VARIANTS = {
     "procrastinate": "Procrastinate (PostgreSQL queue, Django contrib)",
     "floor": "plain Celery + two prepared one-row commits a task (the floor)",
     "floor_submit": "plain Celery + a one-row commit before publishing, two in the worker (submit()'s floor)",
+    "floor_one": "plain Celery + one prepared one-row commit a task (the floor of .delay()'s one commit)",
+    "floor_submit_one": "plain Celery + a one-row commit before publishing, one in the worker (submit()'s shape)",
     "limited": "taskplatform submit() under a concurrency limit of 4 (database lock backend)",
     "limited_redis": "taskplatform submit() under a concurrency limit of 4 (Redis lock backend)",
 }
@@ -198,10 +200,11 @@ def publisher(variant: str, body: str = "noop") -> Any:
     tasks = TASKS[body]
     if variant in ("ledger", "limited", "limited_redis"):
         return lambda i: submit(tasks["ledger"], [i])
-    if variant == "floor_submit":
+    if variant in ("floor_submit", "floor_submit_one"):
         from bench.benchapp.bodies import insert_row
 
-        return lambda i: tasks["floor_submit"].delay(i, insert_row(i, "PENDING"))
+        task = tasks[variant]
+        return lambda i: task.delay(i, insert_row(i, "PENDING"))
     family = {
         "plain": "plain",
         "dcr": "dcr",
@@ -209,6 +212,7 @@ def publisher(variant: str, body: str = "noop") -> Any:
         "once": "once",
         "ledger_delay": "ledger",
         "floor": "floor",
+        "floor_one": "floor_one",
     }
     return tasks[family[variant]].delay
 
@@ -226,7 +230,7 @@ def verify(variant: str, body: str, n: int) -> str:
         checks.append(f"{BenchEffect.objects.count()}/{n} rows written")
     if variant in LEDGER_VARIANTS:
         checks.append(f"{Execution.objects.filter(state='SUCCEEDED').count()}/{n} executions SUCCEEDED")
-    elif variant in ("floor", "floor_submit"):
+    elif variant.startswith("floor"):
         checks.append(f"{BenchFloor.objects.filter(state='SUCCEEDED').count()}/{n} floor rows SUCCEEDED")
     elif variant.startswith("dcr"):
         checks.append(f"{TaskResult.objects.filter(status='SUCCESS').count()}/{n} results stored")

@@ -13,7 +13,7 @@ from celery import Task, current_app, shared_task
 from celery_once import QueueOnce
 from django.conf import settings
 
-from bench.benchapp.bodies import ATOMIC_BODIES, BODIES, set_state, two_commits
+from bench.benchapp.bodies import ATOMIC_BODIES, BODIES, insert_row, set_state, two_commits
 from taskplatform.tasks import IdempotentTask
 
 # celery-once reads its configuration from the app (not the CELERY_ namespace).
@@ -44,6 +44,16 @@ def _register(body_name: str) -> dict[str, Task]:
         set_state(row_id, "SUCCEEDED")
         return result
 
+    def run_floor_one(i: int) -> int:
+        result = body(i)
+        insert_row(i, "SUCCEEDED")
+        return result
+
+    def run_floor_submit_one(i: int, row_id: int) -> int:
+        result = body(i)
+        set_state(row_id, "SUCCEEDED")
+        return result
+
     return {
         "plain": shared_task(name=f"bench.plain_{body_name}", ignore_result=True)(run),
         "dcr": shared_task(name=f"bench.dcr_{body_name}", ignore_result=False)(run),
@@ -52,6 +62,10 @@ def _register(body_name: str) -> dict[str, Task]:
         )(run),
         "floor": shared_task(name=f"bench.floor_{body_name}", ignore_result=True)(run_floor),
         "floor_submit": shared_task(name=f"bench.floor_submit_{body_name}", ignore_result=True)(run_floor_submit),
+        "floor_one": shared_task(name=f"bench.floor_one_{body_name}", ignore_result=True)(run_floor_one),
+        "floor_submit_one": shared_task(name=f"bench.floor_submit_one_{body_name}", ignore_result=True)(
+            run_floor_submit_one
+        ),
         "ledger": shared_task(
             name=f"bench.ledger_{body_name}", base=IdempotentTask, bind=True, atomic=body_name in ATOMIC_BODIES
         )(run_bound),
