@@ -9,8 +9,9 @@ cursors, a query log), and write the same row a plain call's portable create-and
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from django.db import connection, transaction
@@ -425,3 +426,110 @@ def test_a_changed_result_type_inside_a_transaction_fails_the_transaction_not_th
     finally:
         _alter_elsewhere(f'ALTER TABLE "{table}" ALTER COLUMN "publish_count" TYPE integer')
         connection.close()
+
+
+def test_values_passed_through_unprepared_are_what_django_would_have_bound() -> None:
+    """``_prepare`` skips ``get_db_prep_save`` for a value that already has its field's exact
+    type: for every column of the execution row and values of each kind (None, the exact type,
+    a subclass, another type, a naive datetime), what it binds is what Django binds."""
+    pg_only()
+    import warnings
+    from datetime import datetime as dt
+
+    class Text(str):
+        pass
+
+    class Number(int):
+        pass
+
+    aware = timezone.now()
+    naive = dt(2026, 1, 2, 3, 4, 5)
+    samples: list[Any] = [None, "text", Text("t"), 7, Number(8), True, aware, naive, "7", 3.5, [1], {"a": 1}]
+    db = connection
+    checked = passed_through = 0
+    for f in Execution._meta.concrete_fields:
+        shortcut = _pg._shortcut(f)
+        for value in samples:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a naive datetime: Django warns, and converts it
+                try:
+                    expected = f.get_db_prep_save(value, db)
+                except (TypeError, ValueError, Exception) as exc:  # Django refuses it: so must we
+                    with pytest.raises(type(exc)):
+                        _pg._prepare(f, shortcut, value, db)
+                    continue
+                got = _pg._prepare(f, shortcut, value, db)
+            checked += 1
+            passed_through += shortcut[0] is not None and value is not None and type(value) is shortcut[0]
+            assert type(got) is type(expected), (f.name, value)
+            assert repr(got) == repr(expected), (f.name, value)
+    assert checked > 100 and passed_through > 20
+    assert _pg._shortcut(Execution._meta.get_field("args")) == (None, None)  # JSON: always Django's adapter
+    assert _pg._shortcut(Execution._meta.get_field("job"))[0] is int
+
+
+def test_rows_read_in_binary_equal_djangos_down_to_the_time_zone() -> None:
+    """The hot statements read their rows in binary (psycopg's C loaders, not Django's text
+    time-stamp loader): a claimed and a created-and-claimed row equal a fresh read through the
+    ORM field by field, and every time stamp carries the time-zone object Django's gives."""
+    pg_only()
+    db = _pg._db()
+    db.ensure_connection()
+    own = _pg._own_cursor(db)
+    assert own is not None and own[1], "this database's rows should be read in binary"
+    execution = ledger.create(spec("binary"))[0]
+    claimed = _pg.claim_first_attempt(
+        ledger.Delivery(execution.pk, "testapp.effect", [1, "a"], {"b": [2]}, "node-a:1", "t-9"),
+        default_lease_seconds=60, now=timezone.now(),
+    )  # fmt: skip
+    assert claimed is not None
+    created = ledger.create_claimed(
+        spec("binary-2"), worker="node-a:1", celery_task_id="t-10", lease_seconds=60, started_at=timezone.now()
+    )
+    assert created is not None
+    for held in (claimed[0], created.execution):
+        stored = Execution.objects.get(pk=held.pk)
+        for field in Execution._meta.concrete_fields:
+            mine, theirs = getattr(held, field.attname), getattr(stored, field.attname)
+            assert mine == theirs and type(mine) is type(theirs), field.attname
+            if isinstance(theirs, datetime):
+                assert mine.tzinfo is theirs.tzinfo, field.attname
+
+
+def test_rows_are_read_as_text_where_the_sessions_time_zone_is_not_djangos() -> None:
+    """Binary time stamps come in the session's time zone, Django's text loader gives them
+    Django's: where the two differ (``USE_TZ = False``: naive datetimes; a zone set apart from
+    the session's), the hot statements read text, through Django's loader."""
+    pg_only()
+    db = _pg._db()
+    db.ensure_connection()
+    assert _pg._binary_results(db)
+    for other in (None, ZoneInfo("Europe/Paris")):
+        db.__dict__["timezone"] = other  # Django's cached_property, read again below
+        try:
+            assert not _pg._binary_results(db), other
+        finally:
+            del db.__dict__["timezone"]
+    assert _pg._binary_results(db)
+
+
+def test_the_kept_cursor_follows_a_new_connection_and_lets_the_old_one_go() -> None:
+    """``_run`` keeps one psycopg cursor per connection wrapper: after the connection is closed
+    and opened again, the next hot statement runs on a cursor of the new connection, and the
+    closed connection is not kept alive by the cache."""
+    pg_only()
+    import gc
+    import weakref
+
+    db = _pg._db()
+    ledger.create(spec("kept-1"))
+    first = _pg._CURSORS[db]
+    old = weakref.ref(first.connection)
+    db.close()
+    ledger.create(spec("kept-2"))
+    second = _pg._CURSORS[db]
+    assert second is not first and second.connection is db.connection
+    del first
+    gc.collect()
+    assert old() is None, "the closed connection is still referenced"
+    assert Execution.objects.filter(idempotency_key__in=["kept-1", "kept-2"]).count() == 2
