@@ -237,3 +237,26 @@ def test_a_redelivery_of_the_execution_whose_success_it_carries_finds_it_succeed
     row = Execution.objects.get(pk=done.pk)
     assert row.state == State.SUCCEEDED and row.fencing_token == token_before and row.attempts == 1
     assert ExecutionEvent.objects.filter(execution_id=done.pk, kind="already_finished").exists()
+
+
+def test_a_soft_time_limit_arriving_while_a_carried_success_is_settled_reaches_the_task(monkeypatch) -> None:
+    """Settling a carried success runs inside the next task's claim: a soft time limit that
+    fires there (Celery raises ``SoftTimeLimitExceeded`` wherever the pool process is) is that
+    task's, and must reach it rather than be logged as a failed audit and swallowed, which let
+    the body run on past its soft limit. The lease of the finished attempt is let go either way."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from taskplatform.core import leases
+    from taskplatform.worker.task import IdempotentTask
+
+    execution, attempt = running("soft-limit")
+    watch = leases.lease_keeper().watch(execution.pk, attempt.token, 60, WORKER)
+
+    def limit_fires_here(*_args: object, **_kwargs: object) -> bool:
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(ledger, "record_stale_write", limit_fires_here)
+    finish = IdempotentTask._carried_success(execution, attempt.token, WORKER, watch)
+    with pytest.raises(SoftTimeLimitExceeded):
+        finish(False)
+    assert watch not in leases.lease_keeper()._watches

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from celery import Task
 from celery.canvas import Signature
-from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
+from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry, SoftTimeLimitExceeded
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
@@ -819,6 +819,8 @@ class IdempotentTask(Task):
                                 token,
                                 extra={"execution_id": execution.pk, "fencing_token": token},
                             )
+            except SoftTimeLimitExceeded:
+                raise  # the soft time limit of the task whose claim carried this: its own, not to swallow
             except Exception:
                 log.error("a refused success could not be audited", exc_info=True, extra={"execution_id": execution.pk})
             finally:
