@@ -80,7 +80,7 @@ typecheck: $(VENV)/.installed-test
 ## make bench: IdempotentTask (submit() and .delay()) vs plain Celery, django-celery-results, celery-once and
 ## Procrastinate, a fleet-wide limit on either lock backend, four bodies, medians of 3 interleaved rounds; then
 ## batch submission (docs/benchmarks.md)
-BENCH_ARGS ?= --tasks 4000 --repeat 3 --variants plain,floor,floor_submit,dcr,once,ledger,ledger_delay,procrastinate,limited,limited_redis \
+BENCH_ARGS ?= --tasks 4000 --repeat 3 --variants plain,floor,floor_submit,floor_one,floor_submit_one,dcr,once,ledger,ledger_delay,procrastinate,limited,limited_redis \
 	--bodies noop,cpu1ms,io10ms,write --body-variants plain,ledger,ledger_delay,procrastinate --body-tasks 1500
 bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/run.py $(BENCH_ARGS) --json var/bench/run.json
