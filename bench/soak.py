@@ -130,6 +130,9 @@ BEAT_STOP_SECONDS = BEAT_LEASE + 4.0
 RESTART_AFTER = 2.0
 INTERVAL_EVERY = 10
 CRON_EVERY = 60
+#: How long the load runs on once its estimate of executions reached N, for the slots actually
+#: published to catch up (two failovers and a minute's cron slots).
+STOP_GRACE = 2 * FAILOVER_LIMIT + CRON_EVERY
 RSS_GROWTH = 0.25
 RSS_SLACK_MIB = 25.0
 SLOT_MARGIN = 5.0
@@ -764,14 +767,22 @@ class Soak:
         last_report = (time.monotonic(), 0)
         stop_file = self.workdir / "stop"
         fault_index = 0
+        estimate_reached = 0.0
         while True:
             keys = self.count_keys()
             progress = keys + self.slots_estimate(beats_started)
             mono = time.monotonic()
             # The estimate paces the faults; the stop is judged on the slots actually published
-            # (a failover's gap or a late first slot leaves the estimate ahead of them).
-            if progress >= self.n and keys + self.slots_published() >= self.n:
-                break
+            # (a failover's gap or a late first slot leaves the estimate ahead of them), for at
+            # most ``STOP_GRACE`` s after the estimate got there: a load whose workers and beats
+            # are wedged ends, and the report says what fell short, rather than run on forever.
+            if progress >= self.n:
+                estimate_reached = estimate_reached or mono
+                if keys + self.slots_published() >= self.n:
+                    break
+                if mono - estimate_reached > STOP_GRACE:
+                    log(f"load stopped {STOP_GRACE:.0f} s after the estimate reached {self.n:,}: slots fell behind it")
+                    break
             if all(not p.alive() for p in self.producers):
                 break
             while fault_index < len(plan) and progress >= plan[fault_index][0] * self.n:

@@ -239,24 +239,35 @@ def test_a_redelivery_of_the_execution_whose_success_it_carries_finds_it_succeed
     assert ExecutionEvent.objects.filter(execution_id=done.pk, kind="already_finished").exists()
 
 
-def test_a_soft_time_limit_arriving_while_a_carried_success_is_settled_reaches_the_task(monkeypatch) -> None:
-    """Settling a carried success runs inside the next task's claim: a soft time limit that
-    fires there (Celery raises ``SoftTimeLimitExceeded`` wherever the pool process is) is that
-    task's, and must reach it rather than be logged as a failed audit and swallowed, which let
-    the body run on past its soft limit. The lease of the finished attempt is let go either way."""
+def test_a_late_soft_time_limit_during_a_carried_successs_settlement_does_not_fail_the_next_claim(
+    monkeypatch,
+) -> None:
+    """Settling a carried success runs inside the next task's claim, after it committed. A soft
+    time limit raised there is the finished task's (its timer raced its end; the next task's
+    started a millisecond ago): re-raised, it stranded the claimed execution, RUNNING with no
+    owner until its lease ran out (and dead-lettered unrun on a last attempt). The claim returns
+    and the body runs; the finished attempt's lease is let go."""
     from celery.exceptions import SoftTimeLimitExceeded
 
     from taskplatform.core import leases
-    from taskplatform.worker.task import IdempotentTask
+    from taskplatform.worker.recorder import Parked, success_recorder
+    from tests.testapp.tasks import effect
 
     execution, attempt = running("soft-limit")
-    watch = leases.lease_keeper().watch(execution.pk, attempt.token, 60, WORKER)
+    stale = FinishedAttempt(execution.pk, attempt.token + 1, None, WORKER, {"duration_ms": 1.0}, timezone.now())
+    watch = leases.lease_keeper().watch(execution.pk, stale.token, 60, WORKER)
 
     def limit_fires_here(*_args: object, **_kwargs: object) -> bool:
         raise SoftTimeLimitExceeded()
 
     monkeypatch.setattr(ledger, "record_stale_write", limit_fires_here)
-    finish = IdempotentTask._carried_success(execution, attempt.token, WORKER, watch)
-    with pytest.raises(SoftTimeLimitExceeded):
-        finish(False)
+    finish = effect._carried_success(execution, stale.token, WORKER, watch)
+    success_recorder().park(Parked(stale, lambda: None, finish, watch))
+    request = type("Request", (), {"headers": {}, "delivery_info": {}, "id": "t-soft-next", "hostname": "node-a"})()
+    try:
+        claim = effect._claim(request, WORKER, (7,), {}, timezone.now())
+    finally:
+        success_recorder().flush(timeout=10)
+    assert claim is not None and claim.outcome == "claimed"
+    assert stale.written is False  # the stale success was refused by the claim's statement
     assert watch not in leases.lease_keeper()._watches

@@ -435,6 +435,7 @@ def test_values_passed_through_unprepared_are_what_django_would_have_bound() -> 
     pg_only()
     import warnings
     from datetime import datetime as dt
+    from datetime import tzinfo
 
     class Text(str):
         pass
@@ -442,9 +443,18 @@ def test_values_passed_through_unprepared_are_what_django_would_have_bound() -> 
     class Number(int):
         pass
 
+    class NoOffset(tzinfo):
+        """A tzinfo whose offset is None: Django counts such a datetime as naive."""
+
+        def utcoffset(self, when: dt | None) -> None:
+            return None
+
     aware = timezone.now()
     naive = dt(2026, 1, 2, 3, 4, 5)
-    samples: list[Any] = [None, "text", Text("t"), 7, Number(8), True, aware, naive, "7", 3.5, [1], {"a": 1}]
+    no_offset = dt(2026, 1, 2, 3, 4, 5, tzinfo=NoOffset())
+    samples: list[Any] = [
+        None, "text", Text("t"), 7, Number(8), True, aware, naive, no_offset, "7", 3.5, [1], {"a": 1}, 2**40,
+    ]  # fmt: skip
     db = connection
     checked = passed_through = 0
     for f in Execution._meta.concrete_fields:
@@ -533,3 +543,16 @@ def test_the_kept_cursor_follows_a_new_connection_and_lets_the_old_one_go() -> N
     gc.collect()
     assert old() is None, "the closed connection is still referenced"
     assert Execution.objects.filter(idempotency_key__in=["kept-1", "kept-2"]).count() == 2
+
+
+def test_rows_are_read_as_text_if_a_returned_column_would_load_otherwise_in_binary() -> None:
+    """Binary reads are for the column types whose binary form psycopg loads as Django's text
+    loaders do; a column of another type in the execution row (an address, which Django loads
+    from text only) turns them off rather than load it differently."""
+    from django.db import models
+
+    fields = tuple(Execution._meta.concrete_fields)
+    assert _pg._binary_safe(fields)
+    address = models.GenericIPAddressField()
+    address.set_attributes_from_name("client_address")
+    assert not _pg._binary_safe((*fields, address))

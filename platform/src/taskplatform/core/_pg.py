@@ -136,7 +136,25 @@ def _binary_results(db: BaseDatabaseWrapper) -> bool:
     conn = db.connection
     loader = conn.adapters.get_loader(postgresql.TIMESTAMPTZ_OID, Format.BINARY)
     stock = loader is not None and loader.__module__.split(".")[0] in ("psycopg", "psycopg_binary", "psycopg_c")
-    return stock and conn.info.timezone == db.timezone
+    return stock and conn.info.timezone == db.timezone and _binary_safe(tuple(Execution._meta.concrete_fields))
+
+
+#: Internal types of the columns the hot statements return whose binary form psycopg loads to
+#: what Django's text loaders give: Django registers text-only loaders for others (``jsonb``,
+#: ``inet``, ``cidr``), which binary reads would bypass. JSON columns come back NULL
+#: (``_returning``).
+_BINARY_SAFE = frozenset(
+    {"AutoField", "BigAutoField", "BigIntegerField", "BooleanField", "CharField", "DateTimeField", "ForeignKey",
+     "IntegerField", "PositiveIntegerField", "PositiveSmallIntegerField", "SmallIntegerField", "TextField"}
+)  # fmt: skip
+
+
+@cache
+def _binary_safe(fields: tuple[Field[Any, Any], ...]) -> bool:
+    """Whether every column of ``fields`` that a hot statement returns loads the same in binary
+    (``_BINARY_SAFE``; JSON columns are returned NULL); a column added to the execution row of
+    another type turns binary reads off rather than load it differently."""
+    return all(f.get_internal_type() in _BINARY_SAFE | {"JSONField"} for f in fields)
 
 
 #: ``prepare_threshold`` lent to a connection Django opened with none (its default, which makes
@@ -276,7 +294,7 @@ Shortcut = tuple[type | None, Callable[[Any], Any] | None]
 def _shortcut(f: Field[Any, Any]) -> Shortcut:
     """What ``_prepare`` may do without Django for ``f``: a foreign key is its target's; a
     subclass (which may prepare its own way) and every other field take Django's path."""
-    target = f.target_field if isinstance(f, models.ForeignKey) else f
+    target = f.target_field if type(f) is models.ForeignKey else f
     kind = _SAME_WHEN.get(type(target))
     if kind is not int or isinstance(target, AutoFieldMixin):  # a key: Django binds it as it is
         return kind, None
@@ -295,7 +313,7 @@ def _prepare(f: Field[Any, Any], shortcut: Shortcut, value: Any, db: BaseDatabas
         if type(value) is kind:
             if wrap is not None:
                 return wrap(value)
-            if kind is not datetime or cast(datetime, value).tzinfo is not None:
+            if kind is not datetime or cast(datetime, value).utcoffset() is not None:  # aware, as Django tells
                 return value
     return f.get_db_prep_save(value, db)
 
