@@ -38,6 +38,32 @@ def pg_only() -> None:
         pytest.skip("the fast path exists on PostgreSQL only")
 
 
+def first_attempt_claimed(key: str) -> Execution:
+    """A submitted execution's first attempt claimed by the fast path: the ``Execution`` the
+    claim built from its statement's ``RETURNING``."""
+    execution = ledger.create(spec(key))[0]
+    claimed = _pg.claim_first_attempt(
+        ledger.Delivery(execution.pk, "testapp.effect", [1, "a"], {"b": [2]}, "node-a:1", f"t-{key}"),
+        default_lease_seconds=60, now=timezone.now(),
+    )  # fmt: skip
+    assert claimed is not None
+    return claimed[0]
+
+
+def assert_as_stored(held: Execution, *, exact_types: bool = True) -> None:
+    """``held`` equals a fresh read of its row through the ORM, field by field: the value, the
+    type (``exact_types=False``: a subclass, where a spec's enum members stand in the row,
+    ``Trigger.API``), and each time stamp's time-zone object."""
+    stored = Execution.objects.get(pk=held.pk)
+    for field in Execution._meta.concrete_fields:
+        mine, theirs = getattr(held, field.attname), getattr(stored, field.attname)
+        assert mine == theirs, (held.idempotency_key, field.attname)
+        same_type = type(mine) is type(theirs) if exact_types else isinstance(mine, type(theirs))
+        assert same_type, (held.idempotency_key, field.attname, type(mine), type(theirs))
+        if isinstance(theirs, datetime):
+            assert mine.tzinfo is theirs.tzinfo, (held.idempotency_key, field.attname)
+
+
 @pytest.mark.portable
 def test_a_success_inside_a_transaction_marked_for_rollback_is_refused_not_lost() -> None:
     """An atomic body that marked its transaction for rollback (``set_rollback``, or an inner
@@ -232,15 +258,7 @@ def test_the_fast_paths_rows_are_the_stored_rows() -> None:
     """The claim builds the worker's ``Execution`` from the statement's ``RETURNING``: every
     field equals what a fresh read of the row gives (JSON fields from the message)."""
     pg_only()
-    execution = ledger.create(spec("loaded"))[0]
-    claimed = _pg.claim_first_attempt(
-        ledger.Delivery(execution.pk, "testapp.effect", [1, "a"], {"b": [2]}, "node-a:1", "t-9"),
-        default_lease_seconds=60, now=timezone.now(),
-    )  # fmt: skip
-    assert claimed is not None
-    held, stored = claimed[0], Execution.objects.get(pk=execution.pk)
-    for field in Execution._meta.concrete_fields:
-        assert getattr(held, field.attname) == getattr(stored, field.attname), field.attname
+    assert_as_stored(first_attempt_claimed("loaded"))
 
 
 @pytest.mark.parametrize(
@@ -487,23 +505,12 @@ def test_rows_read_in_binary_equal_djangos_down_to_the_time_zone() -> None:
     db.ensure_connection()
     own = _pg._own_cursor(db)
     assert own is not None and own[1], "this database's rows should be read in binary"
-    execution = ledger.create(spec("binary"))[0]
-    claimed = _pg.claim_first_attempt(
-        ledger.Delivery(execution.pk, "testapp.effect", [1, "a"], {"b": [2]}, "node-a:1", "t-9"),
-        default_lease_seconds=60, now=timezone.now(),
-    )  # fmt: skip
-    assert claimed is not None
+    assert_as_stored(first_attempt_claimed("binary"))
     created = ledger.create_claimed(
         spec("binary-2"), worker="node-a:1", celery_task_id="t-10", lease_seconds=60, started_at=timezone.now()
     )
     assert created is not None
-    for held in (claimed[0], created.execution):
-        stored = Execution.objects.get(pk=held.pk)
-        for field in Execution._meta.concrete_fields:
-            mine, theirs = getattr(held, field.attname), getattr(stored, field.attname)
-            assert mine == theirs and type(mine) is type(theirs), field.attname
-            if isinstance(theirs, datetime):
-                assert mine.tzinfo is theirs.tzinfo, field.attname
+    assert_as_stored(created.execution)
 
 
 def test_rows_are_read_as_text_where_the_sessions_time_zone_is_not_djangos() -> None:
@@ -572,10 +579,7 @@ def test_rows_read_as_text_equal_djangos_too(monkeypatch: pytest.MonkeyPatch) ->
         spec("text-read"), worker="node-a:1", celery_task_id="t-11", lease_seconds=60, started_at=timezone.now()
     )
     assert created is not None
-    stored = Execution.objects.get(pk=created.execution.pk)
-    for field in Execution._meta.concrete_fields:
-        mine, theirs = getattr(created.execution, field.attname), getattr(stored, field.attname)
-        assert mine == theirs and type(mine) is type(theirs), field.attname
+    assert_as_stored(created.execution)
     _pg._CURSOR_CHECKED.pop(db.connection, None)
 
 
@@ -621,11 +625,5 @@ def test_submit_many_returns_the_rows_it_stored(binary: bool, monkeypatch: pytes
         _pg._CURSOR_CHECKED.pop(db.connection, None)
     assert list(result.created) == [True, True, False, True, True, True]
     for item, execution in zip(items, result.executions, strict=True):
-        stored = Execution.objects.get(idempotency_key=item["idempotency_key"])
-        assert execution.pk == stored.pk
-        for field in Execution._meta.concrete_fields:
-            mine, theirs = getattr(execution, field.attname), getattr(stored, field.attname)
-            # isinstance: the row's choices may hold the spec's enum members (``Trigger.API``)
-            assert mine == theirs and isinstance(mine, type(theirs)), (item["idempotency_key"], field.attname)
-            if isinstance(theirs, datetime):
-                assert mine.tzinfo is theirs.tzinfo, (item["idempotency_key"], field.attname)
+        assert execution.pk == Execution.objects.get(idempotency_key=item["idempotency_key"]).pk
+        assert_as_stored(execution, exact_types=False)
