@@ -28,8 +28,11 @@ counting rows (one per task, not more).
 Also reported: the ratio to plain Celery, the publish rate, the PostgreSQL transactions per
 task (``pg_stat_database``, end-to-end run; the transactions of this process's own polling of
 ``procrastinate_jobs`` are subtracted), the CPU per task by process group (this process, the
-worker's process tree, PostgreSQL, Redis; the polling costs its share there) and the SQL
-statements per task (counted in-process on the same code path).
+worker's process tree, PostgreSQL, Redis; the polling costs its share there), and of the worker's
+CPU the main process's share (Celery's consumer: it fetches, dispatches and acknowledges every message,
+one at a time), how busy that CPU kept the machine's cores (CPU a task times tasks a second,
+over the cores: what is left is time every process spent waiting) and the SQL statements per
+task (counted in-process on the same code path).
 """
 
 from __future__ import annotations
@@ -457,6 +460,7 @@ def run_variant(variant: str, n: int, body: str = "noop") -> dict[str, Any]:
         reset_state()
         tx_before = pg_transactions()
         cpu_before = cpu_snapshot(peer.worker_pid)
+        main_before = _proc_ticks(peer.worker_pid)
         start = time.perf_counter()
         for i in range(n):
             peer.publish(i)
@@ -464,6 +468,7 @@ def run_variant(variant: str, n: int, body: str = "noop") -> dict[str, Any]:
         polls = peer.wait_done(600)
         end = time.perf_counter()
         cpu = cpu_per_task(cpu_before, cpu_snapshot(peer.worker_pid), n)
+        main_us = (_proc_ticks(peer.worker_pid) - main_before) / os.sysconf("SC_CLK_TCK") / n * 1e6
         time.sleep(STATS_FLUSH_SECONDS)
         tx = pg_transactions() - tx_before - 2 - polls
         check = verify(variant, body, n)
@@ -490,6 +495,8 @@ def run_variant(variant: str, n: int, body: str = "noop") -> dict[str, Any]:
         "drain_per_second": round(n / (drain_end - drain_start), 1),
         "pg_transactions_per_task": round(tx / n, 2),
         "cpu_us_per_task": cpu,
+        "worker_main_us_per_task": round(main_us, 1),
+        "cores_busy": round(sum(cpu.values()) / 1e6 * n / (end - start) / (os.cpu_count() or 1), 2),
         "check": check,
         "drain_check": drain_check,
     }
@@ -504,6 +511,13 @@ def _proc_stat(pid: int) -> tuple[str, int, int] | None:
     name = text[text.index("(") + 1 : text.rindex(")")]
     rest = text[text.rindex(")") + 2 :].split()
     return name, int(rest[1]), int(rest[11]) + int(rest[12])
+
+
+def _proc_ticks(pid: int) -> int:
+    """User + system CPU ticks of one live process (0 if gone): the worker's main process, in
+    Celery's case the consumer that fetches, dispatches and acknowledges every message."""
+    stat = _proc_stat(pid)
+    return stat[2] if stat else 0
 
 
 def _reaped_ticks(pid: int) -> int:
@@ -645,7 +659,14 @@ def measure(body: str, variants: list[str], tasks: int, repeat: int) -> dict[str
             runs[variant].append(result)
             print(f"round {round_no + 1}: {json.dumps(result)}", flush=True)
 
-    metrics = ("tasks_per_second", "drain_per_second", "publish_per_second", "pg_transactions_per_task")
+    metrics = (
+        "tasks_per_second",
+        "drain_per_second",
+        "publish_per_second",
+        "pg_transactions_per_task",
+        "worker_main_us_per_task",
+        "cores_busy",
+    )
     best = {
         v: {
             **rs[-1],
@@ -685,11 +706,16 @@ def measure(body: str, variants: list[str], tasks: int, repeat: int) -> dict[str
         )
     print()
     groups = ("producer", "worker", "postgres", "redis")
-    print(f"CPU µs per task, end to end, medians ({body}):")
-    print(f"{'variant':<64} " + " ".join(f"{g:>9}" for g in groups) + f" {'total':>9}")
+    print(f"CPU µs per task, end to end, medians ({body}); 'main': the worker's main process, of 'worker';")
+    print(f"'busy': CPU a task times tasks a second, over the machine's {os.cpu_count()} cores:")
+    print(f"{'variant':<64} " + " ".join(f"{g:>9}" for g in groups) + f" {'total':>9} {'main':>7} {'busy':>5}")
     for v in variants:
-        cpu = best[v]["cpu_us_per_task"]
-        print(f"{VARIANTS[v]:<64} " + " ".join(f"{cpu[g]:>9}" for g in groups) + f" {round(sum(cpu.values()), 1):>9}")
+        r = best[v]
+        cpu = r["cpu_us_per_task"]
+        print(
+            f"{VARIANTS[v]:<64} " + " ".join(f"{cpu[g]:>9}" for g in groups) + f" {round(sum(cpu.values()), 1):>9}"
+            f" {r['worker_main_us_per_task']:>7} {r['cores_busy']:>5}"
+        )
     print(flush=True)
     return {"body": body, "tasks": tasks, "runs": runs, "median": best}
 
