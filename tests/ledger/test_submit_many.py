@@ -754,3 +754,120 @@ def test_the_quick_argument_repr_is_celerys_saferepr_whenever_it_answers():
                 assert quick == saferepr(value, maxsize, maxlevels=3), value
     assert answered > 500
     assert _plain_repr(["it's"], 1024) is None and _plain_repr({1: 2}, 1024) is None
+
+
+@pytest.fixture
+def celery_sends(monkeypatch) -> list[str]:
+    """The task id of every message that goes through Celery's ``send_task_message``."""
+    from celery import current_app
+
+    sends: list[str] = []
+    send = current_app.amqp.send_task_message
+
+    def counted(producer: Any, name: str, message: Any, **kwargs: Any) -> Any:
+        sends.append(message[0]["id"])
+        return send(producer, name, message, **kwargs)
+
+    monkeypatch.setattr(current_app.amqp, "send_task_message", counted)
+    monkeypatch.setitem(current_app.conf, "task_send_sent_event", False)  # ``_RawShape`` sends none
+    return sends
+
+
+def test_after_a_shapes_first_message_a_batch_writes_the_message_celery_would_send(broker, celery_sends):
+    """Inside a kombu batch on Redis only a shape's first message goes through Celery and
+    kombu; the others are written from what kombu wrote for it (``_RawShape``). For the same
+    execution and task id each equals the message Celery's own ``send_task`` sends: arguments
+    of every JSON kind, a job's limits, lease and priority, the ledger headers."""
+    from taskplatform.core.publisher import publish_many
+
+    job = JobDefinition.objects.create(
+        slug="raw", task=EFFECT, queue=broker.name, priority=3, soft_time_limit_seconds=5, time_limit_seconds=9,
+        lease_seconds=7,
+    )  # fmt: skip
+    arguments = [[1, "two"], ['ünï " \\ ✓', {"a": [1.5, None, True], "b": {"c": -(10**30)}}], [], [[[]]]]
+    executions = [submit(job, args=a, kwargs={"k": i, "s": "x" * i}, on_commit=False) for i, a in enumerate(arguments)]
+    broker.clear()
+    for execution in executions:
+        _celerys_own(execution, f"id-{execution.pk}")
+    celery_sends.clear()
+    assert publish_many([(e, f"id-{e.pk}", None) for e in executions])
+    assert celery_sends == [f"id-{executions[0].pk}"]  # the others were written here
+    messages = broker.messages()
+    celerys, ours = messages[: len(executions)], messages[len(executions) :]
+    assert len(ours) == len(executions)
+    for mine, theirs in zip(ours, celerys, strict=True):
+        assert _decoded(mine) == _decoded(theirs)
+    tags = [m["properties"]["delivery_tag"] for m in ours]
+    assert len(set(tags)) == len(tags)
+
+
+def test_a_batch_of_thousands_written_after_its_first_message_arrives_whole_and_in_order(broker, celery_sends):
+    """More messages than one ``LPUSH`` carries (``PUBLISH_BATCH_SIZE``), of two shapes (two
+    queues): one message a shape through Celery, every message in the broker once, in the
+    order of the items."""
+    other = Broker(f"tp-test-many-other-{uuid.uuid4().hex[:8]}")
+    try:
+        items = [{"idempotency_key": f"big{i}", "args": [i]} for i in range(2600)]
+        submit_many(EFFECT, items[:1300], queue=broker.name)
+        with transaction.atomic():
+            submit_many(EFFECT, items[1300:], queue=other.name)
+        assert len(celery_sends) == 2
+        assert broker.keys() == [f"big{i}" for i in range(1300)]
+        assert other.keys() == [f"big{i}" for i in range(1300, 2600)]
+        assert [m["headers"]["argsrepr"] for m in other.messages()[:2]] == ["[1300]", "[1301]"]
+    finally:
+        other.clear()
+
+
+def test_with_a_publish_receiver_every_message_of_a_batch_goes_through_celery(broker, celery_sends):
+    """A ``before_task_publish`` receiver (OpenTelemetry's instrumentation is one) sees each
+    message and may change it: then no message is written from another."""
+    from celery.signals import before_task_publish
+
+    def stamp(headers: dict[str, Any], **_: Any) -> None:
+        headers["stamp"] = f"seen {headers['id']}"
+
+    before_task_publish.connect(stamp, weak=False)
+    try:
+        submit_many(EFFECT, [{"idempotency_key": f"rc{i}"} for i in range(4)], queue=broker.name)
+    finally:
+        before_task_publish.disconnect(stamp)
+    assert len(celery_sends) == 4
+    assert [m["headers"]["stamp"] for m in broker.messages()] == [f"seen {i}" for i in celery_sends]
+
+
+def test_a_shape_whose_message_kombu_writes_otherwise_goes_through_kombu(broker, celery_sends, monkeypatch):
+    """A task that compresses its messages: kombu's first message is not what ``_RawShape``
+    would write, so every message of the batch goes through kombu (compressed, decodable)."""
+    import zlib
+
+    monkeypatch.setattr(effect, "compression", "zlib", raising=False)
+    monkeypatch.setattr(effect, "_exec_options", None)  # Celery's cache of the task's options
+    submit_many(EFFECT, [{"idempotency_key": f"z{i}", "args": [i]} for i in range(3)], queue=broker.name)
+    assert len(celery_sends) == 3
+    messages = broker.messages()
+    assert [m["headers"].get("compression") for m in messages] == ["application/x-gzip"] * 3  # kombu names zlib so
+    assert [json.loads(zlib.decompress(base64.b64decode(m["body"])))[0] for m in messages] == [[0], [1], [2]]
+
+
+def test_a_shape_whose_first_message_kombu_already_flushed_goes_through_kombu(broker, celery_sends, monkeypatch):
+    """A kombu batch that sent its pipeline with the shape's first message (here: one message
+    a flush) leaves nothing to learn from: every message through kombu, none lost."""
+    from taskplatform.core import publisher
+
+    monkeypatch.setattr(publisher, "PUBLISH_BATCH_SIZE", 1)
+    result = submit_many(EFFECT, [{"idempotency_key": f"f{i}"} for i in range(3)], queue=broker.name)
+    assert result.created_count == 3
+    assert len(celery_sends) == 3
+    assert broker.keys() == ["f0", "f1", "f2"]
+
+
+def test_with_task_sent_events_every_message_of_a_batch_goes_through_celery(broker, celery_sends, monkeypatch):
+    """Celery sends a ``task-sent`` event with each message (``task_send_sent_event``, on in
+    the reference deployment for Flower): then no message is written from another."""
+    from celery import current_app
+
+    monkeypatch.setitem(current_app.conf, "task_send_sent_event", True)
+    submit_many(EFFECT, [{"idempotency_key": f"ev{i}"} for i in range(3)], queue=broker.name)
+    assert len(celery_sends) == 3
+    assert broker.keys() == ["ev0", "ev1", "ev2"]
