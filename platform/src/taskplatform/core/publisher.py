@@ -354,7 +354,9 @@ class _BatchSender:
             # with the first message, not with every message. Where kombu retries a
             # publication, it reconnects and repeats the same ``declare``: Celery's, then.
             routed = dict(routed, declare=[])  # a list of its own: kombu may append to it
-        capture = first and self.raw is not None and event is None and prototype.fixed_queue
+        # A ``task-sent`` event is a second command in kombu's pipeline: such a shape is not
+        # learnt (``_RawShape.learn``), and Celery sends each message and its event.
+        capture = first and self.raw is not None and prototype.fixed_queue
         written = _batch_commands(self.producer) if capture else None
         sent_headers = headers.copy()
         self.amqp.send_task_message(
@@ -394,15 +396,14 @@ class _BatchSender:
 
 
 def _batch_commands(producer: Any) -> tuple[Any, int] | None:
-    """The Redis pipeline of ``producer``'s active kombu batch and how many commands it holds,
-    or None (no batch, not Redis, a key prefix, or a kombu whose batch is built otherwise)."""
+    """``producer``'s active kombu batch and how many commands its Redis pipeline holds, or
+    None (a publish receiver, no batch, not Redis, or a kombu whose batch is built otherwise)."""
     from celery import signals
 
     if signals.before_task_publish.receivers or signals.after_task_publish.receivers:
         return None  # a receiver sees, and may change, every message: Celery's way for each
-    channel = producer.channel
-    if getattr(channel, "global_keyprefix", None) or not hasattr(channel, "conn_or_acquire"):
-        return None
+    # Not ``producer.channel`` yet: before the first publication it would connect with the
+    # connection's own retry policy, not Celery's (``learn`` looks at it after).
     if getattr(producer.connection.transport, "driver_type", None) != "redis":
         return None
     state = getattr(getattr(producer, "_batch_local", None), "current", None)
@@ -434,7 +435,8 @@ class _RawShape:
     one buffered ``LPUSH``, and every message of the shape goes through kombu. It is not used
     where a ``before_task_publish`` or ``after_task_publish`` receiver is connected (each
     message is theirs to see and change: OpenTelemetry's instrumentation is one), where
-    ``task-sent`` events are on, nor for a queue that is not one fixed list
+    ``task-sent`` events are on (each is a second command in kombu's pipeline), nor for a
+    queue that is not one fixed list
     (``_Prototype.fixed_queue``). ``tests/ledger/test_submit_many.py`` compares the messages.
     """
 
@@ -470,7 +472,9 @@ class _RawShape:
         written = loads(command[2])
         if not isinstance(written, dict) or not isinstance(written.get("properties"), dict):
             return None
-        channel = producer.channel
+        channel = producer.channel  # connected by the publication
+        if getattr(channel, "global_keyprefix", None) or not hasattr(channel, "conn_or_acquire"):
+            return None
         encoding = channel.body_encoding
 
         def encode(value: tuple[Any, ...]) -> Any:
