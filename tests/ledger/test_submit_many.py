@@ -896,3 +896,184 @@ def test_with_task_sent_events_every_message_of_a_batch_goes_through_celery(brok
     assert broker.keys() == ["ev0", "ev1", "ev2"]
     assert sorted(sent) == sorted(m["headers"]["id"] for m in broker.messages())  # one event a message
     assert len(celery_sends) == 3
+
+
+def test_with_routes_that_read_the_arguments_each_message_goes_where_the_router_says(broker, celery_sends):
+    """``task_routes`` may route on the arguments: no shape is learnt, each message is routed
+    by Celery's router (here even ids to one queue, odd ones to another)."""
+    from celery import current_app
+
+    odd = Broker(f"tp-test-many-odd-{uuid.uuid4().hex[:8]}")
+
+    def route(name: str, args: Any, kwargs: Any, options: Any, task: Any = None, **_: Any) -> Any:
+        return {"queue": broker.name if args[0] % 2 == 0 else odd.name} if name == EFFECT else None
+
+    routes = current_app.conf.task_routes
+    current_app.conf.task_routes = (route,)
+    current_app.amqp.flush_routes()
+    current_app.amqp.__dict__.pop("router", None)  # Celery's cached router, made again from the routes
+    try:
+        submit_many(EFFECT, [{"idempotency_key": f"r{i}", "args": [i]} for i in range(6)])
+        assert [m["headers"]["argsrepr"] for m in broker.messages()] == ["[0]", "[2]", "[4]"]
+        assert [m["headers"]["argsrepr"] for m in odd.messages()] == ["[1]", "[3]", "[5]"]
+    finally:
+        odd.clear()
+        current_app.conf.task_routes = routes
+        current_app.amqp.flush_routes()
+        current_app.amqp.__dict__.pop("router", None)
+
+
+@pytest.fixture
+def fresh_broker_pool(monkeypatch) -> None:
+    """The app's broker connections and producers made anew (new transport options), the
+    test run's own pools given back afterwards."""
+    from celery import current_app
+
+    monkeypatch.setattr(current_app, "_pool", None)
+    monkeypatch.setattr(current_app.amqp, "_producer_pool", None)
+
+
+def test_with_a_global_key_prefix_every_message_reaches_the_prefixed_list(broker, celery_sends, fresh_broker_pool):
+    """kombu's ``global_keyprefix``: the key in kombu's pipeline is prefixed already, and a
+    prefixed client would prefix it again; so every message goes through kombu, to one list."""
+    from celery import current_app
+
+    options = current_app.conf.broker_transport_options
+    current_app.conf.broker_transport_options = dict(options or {}, global_keyprefix="tp-pfx:")
+    try:
+        submit_many(EFFECT, [{"idempotency_key": f"p{i}", "args": [i]} for i in range(4)], queue=broker.name)
+        assert broker.client.llen(f"tp-pfx:{broker.name}") == 4
+        assert broker.client.keys("*tp-pfx:tp-pfx:*") == []
+    finally:
+        current_app.conf.broker_transport_options = options
+        for key in broker.client.keys(f"tp-pfx:*{broker.name}*"):
+            broker.client.delete(key)
+
+
+def test_a_deprecated_task_sent_receiver_gets_every_message(broker, celery_sends):
+    """Celery still sends its deprecated ``task_sent`` signal for each message."""
+    from celery.signals import task_sent
+
+    got: list[str] = []
+
+    def receive(task_id: str | None = None, **_: Any) -> None:
+        got.append(str(task_id))
+
+    task_sent.connect(receive, weak=False)
+    try:
+        submit_many(EFFECT, [{"idempotency_key": f"ts{i}"} for i in range(4)], queue=broker.name)
+    finally:
+        task_sent.disconnect(receive)
+    assert got == [m["headers"]["id"] for m in broker.messages()]
+
+
+def test_an_expiring_queue_has_its_expiry_renewed_by_every_message(broker, celery_sends):
+    """A queue with ``x-expires``: kombu follows each ``LPUSH`` with ``PEXPIRE`` commands, so
+    the first message leaves more than one command and no shape is learnt."""
+    from celery import current_app
+    from kombu import Queue
+
+    queues = current_app.amqp.queues
+    queues[broker.name] = Queue(broker.name, queue_arguments={"x-expires": 600000})
+    try:
+        submit_many(EFFECT, [{"idempotency_key": f"x{i}"} for i in range(4)], queue=broker.name)
+    finally:
+        queues.pop(broker.name, None)
+    assert broker.keys() == ["x0", "x1", "x2", "x3"]
+    assert len(celery_sends) == 4
+    assert 0 < broker.client.pttl(broker.name) <= 600000
+
+
+def test_inside_a_running_task_written_messages_name_it_as_their_parent(broker, celery_sends, monkeypatch):
+    """Submitted from a task's body: every message carries that task as parent and root, and
+    its priority when the parent's is inherited (then on Redis's list for that priority)."""
+    from celery import current_app
+    from celery._state import _task_stack
+
+    from taskplatform.core.publisher import publish_many
+
+    monkeypatch.setitem(current_app.conf, "task_inherit_parent_priority", True)
+    executions = [submit(EFFECT, args=[i], queue=broker.name, on_commit=False) for i in range(3)]
+    broker.clear()
+    celery_sends.clear()
+    running = current_app.tasks[EFFECT]
+    running.push_request(id="parent-id", root_id="root-id", delivery_info={"priority": 6}, called_directly=False)
+    _task_stack.push(running)
+    try:
+        assert publish_many([(e, f"t{i}", None) for i, e in enumerate(executions)])
+    finally:
+        _task_stack.pop()
+        running.pop_request()
+    messages = broker.messages()
+    assert [m["headers"]["id"] for m in messages] == ["t0", "t1", "t2"]
+    assert {(m["headers"]["parent_id"], m["headers"]["root_id"], m["properties"]["priority"]) for m in messages} == {
+        ("parent-id", "root-id", 6)
+    }
+    assert len(celery_sends) == 1
+    assert broker.client.keys(broker.name) == []  # all on the list of priority 6
+
+
+def test_a_failure_to_learn_a_shape_leaves_its_messages_to_kombu(broker, celery_sends, monkeypatch, caplog):
+    """Whatever goes wrong while learning a shape from kombu's first message (here: its JSON
+    cannot be read), every message of the batch still goes through kombu, with one warning."""
+    import kombu.utils.json
+
+    from taskplatform.core import publisher
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise ValueError("unreadable")
+
+    monkeypatch.setattr(kombu.utils.json, "loads", broken)
+    monkeypatch.setattr(publisher, "_UNLEARNT_WARNED", set())
+    for batch in range(2):
+        result = submit_many(EFFECT, [{"idempotency_key": f"l{batch}-{i}"} for i in range(3)], queue=broker.name)
+        assert result.created_count == 3
+    assert broker.keys() == ["l0-0", "l0-1", "l0-2", "l1-0", "l1-1", "l1-2"]
+    assert len(celery_sends) == 6
+    assert caplog.text.count("batch messages go through kombu one by one: learning the shape failed") == 1
+
+
+def test_written_messages_wait_for_at_most_a_batch_whatever_their_lists(broker, celery_sends, monkeypatch):
+    """Messages written for several lists are sent once ``PUBLISH_BATCH_SIZE`` wait in all (not
+    that many a list): a failure late in a large batch leaves the earlier ones delivered."""
+    from taskplatform.core import publisher
+
+    monkeypatch.setattr(publisher, "PUBLISH_BATCH_SIZE", 10)
+    waiting: list[int] = []
+    flush = publisher._BatchSender.flush_raw
+
+    def watched(self: Any) -> None:
+        waiting.append(sum(map(len, self.raw_pending.values())))
+        flush(self)
+
+    monkeypatch.setattr(publisher._BatchSender, "flush_raw", watched)
+    queues = [broker.name, f"{broker.name}x", f"{broker.name}y"]
+    executions = [submit(EFFECT, args=[i], queue=q, on_commit=False) for q in queues for i in range(9)]
+    broker.clear()
+    assert publisher.publish_many([(e, f"w{i}", None) for i, e in enumerate(executions)])
+    assert max(waiting) <= 10 and sum(waiting) == 24  # the first message of each list via kombu
+    assert len(broker.messages()) == 27
+
+
+def test_a_first_message_that_left_more_than_one_command_leaves_its_shape_to_kombu(broker, celery_sends, monkeypatch):
+    """A transport that writes more than the ``LPUSH`` for each message (here a counter it
+    increments before it, as a later kombu might): written messages would skip that command,
+    so every message goes through kombu and the counter counts them all."""
+    from kombu.transport import redis as kombu_redis
+
+    counter = f"{broker.name}-count"
+    put = kombu_redis.Channel._put
+
+    def counted_put(self: Any, queue: str, message: Any, **kwargs: Any) -> None:
+        batch = kwargs.get("_publish_batch")
+        if batch is not None:
+            batch.add("incr", counter)
+        put(self, queue, message, **kwargs)
+
+    monkeypatch.setattr(kombu_redis.Channel, "_put", counted_put)
+    try:
+        submit_many(EFFECT, [{"idempotency_key": f"c{i}"} for i in range(4)], queue=broker.name)
+        assert broker.client.get(counter) == b"4"
+    finally:
+        broker.client.delete(counter)
+    assert len(celery_sends) == 4 and broker.keys() == ["c0", "c1", "c2", "c3"]

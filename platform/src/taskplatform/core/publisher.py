@@ -175,6 +175,9 @@ def publish_on_commit(execution: Execution, *, task_id: str, countdown: float | 
 
 #: Broker operations a batch buffers before it sends them (kombu's ``Producer.batch``).
 PUBLISH_BATCH_SIZE = 1000
+#: At most about this many characters of messages written by ``_RawShape`` wait for one
+#: round trip (their ``LPUSH`` commands are built whole in the client's buffer).
+RAW_PUSH_CHARACTERS = 8 * 1024 * 1024
 
 #: ``message_options`` that differ from message to message (set per message by ``_BatchSender``).
 _PER_MESSAGE = frozenset({"task_id", "headers"})
@@ -233,6 +236,7 @@ class _BatchSender:
         # wrote for its first message (``_RawShape``), or None where kombu must write each one.
         self.raw: dict[int, _RawShape | None] = {} if batched else None  # type: ignore[assignment]
         self.raw_pending: dict[bytes | str, list[str]] = {}
+        self.raw_buffered = [0, 0]  # messages and characters in ``raw_pending``
         self.raw_sent = 0  # messages written by ``_RawShape``
         self.kombu_batch: Any = None  # the kombu batch the messages go through, if any
 
@@ -372,22 +376,29 @@ class _BatchSender:
             )
 
     def _push(self, key: bytes | str, payload: str) -> None:
-        pending = self.raw_pending.setdefault(key, [])
-        pending.append(payload)
-        if len(pending) >= PUBLISH_BATCH_SIZE:
+        self.raw_pending.setdefault(key, []).append(payload)
+        buffered = self.raw_buffered
+        buffered[0] += 1
+        buffered[1] += len(payload)
+        if buffered[0] >= PUBLISH_BATCH_SIZE or buffered[1] >= RAW_PUSH_CHARACTERS:
             self.flush_raw()
 
     def flush_raw(self) -> None:
-        """Send the messages ``_RawShape`` wrote: one ``LPUSH`` of up to ``PUBLISH_BATCH_SIZE``
-        per list, all in one round trip, on the producer's Redis connection (kombu's
-        ``LPUSH`` of one message at a time, in the order they were written). No retry, as
-        for kombu's batch: a failure reaches ``publish_many``, which leaves the rows to the
-        rescuer."""
+        """Send the messages ``_RawShape`` wrote: one ``LPUSH`` per list, all in one round trip,
+        on the producer's Redis connection, once ``PUBLISH_BATCH_SIZE`` messages (whatever
+        their lists) or ``RAW_PUSH_CHARACTERS`` are waiting, as kombu's batch sends its
+        commands. A list gets them in the order they were written, as from kombu's ``LPUSH``
+        of one at a time; and kombu's buffered messages go first, so a shape's first message
+        (through kombu) is ahead of the others. (Across shapes, as in Celery, no order is
+        promised: a message kombu sends, say one with a countdown, may pass written ones.)
+        No retry, as for kombu's batch: a failure reaches ``publish_many``, which leaves the
+        rows to the rescuer."""
         if not self.raw_pending:
             return
-        if self.kombu_batch is not None:  # kombu's messages first: the batch's order is kept
+        if self.kombu_batch is not None:  # kombu's messages first: a shape's first one is ahead
             self.kombu_batch.flush()
         pending, self.raw_pending = self.raw_pending, {}
+        self.raw_buffered = [0, 0]
         with self.producer.channel.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
             for key, payloads in pending.items():
                 pipe.lpush(key, *payloads)
@@ -400,7 +411,7 @@ def _batch_commands(producer: Any) -> tuple[Any, int] | None:
     None (a publish receiver, no batch, not Redis, or a kombu whose batch is built otherwise)."""
     from celery import signals
 
-    if signals.before_task_publish.receivers or signals.after_task_publish.receivers:
+    if signals.before_task_publish.receivers or signals.after_task_publish.receivers or signals.task_sent.receivers:
         return None  # a receiver sees, and may change, every message: Celery's way for each
     # Not ``producer.channel`` yet: before the first publication it would connect with the
     # connection's own retry policy, not Celery's (``learn`` looks at it after).
@@ -433,11 +444,16 @@ class _RawShape:
     field by field; any difference (a compression, a serializer, another transport's
     format, a kombu that writes otherwise), or a first message that did not become exactly
     one buffered ``LPUSH``, and every message of the shape goes through kombu. It is not used
-    where a ``before_task_publish`` or ``after_task_publish`` receiver is connected (each
-    message is theirs to see and change: OpenTelemetry's instrumentation is one), where
+    where a ``before_task_publish``, ``after_task_publish`` or (deprecated) ``task_sent``
+    receiver is connected (each message is theirs to see and change: OpenTelemetry's
+    instrumentation is one), where
     ``task-sent`` events are on (each is a second command in kombu's pipeline), nor for a
     queue that is not one fixed list
-    (``_Prototype.fixed_queue``). ``tests/ledger/test_submit_many.py`` compares the messages.
+    (``_Prototype.fixed_queue``: not with ``task_routes``, which may route on the arguments),
+    nor with a ``global_keyprefix`` (kombu's key is already prefixed). A wrapper patched around
+    kombu's ``Producer.publish`` or Celery's ``send_task_message``, rather than connected to
+    the signals, sees a shape's first message only. ``tests/ledger/test_submit_many.py``
+    compares the messages.
     """
 
     __slots__ = ("encode", "key", "properties", "template")
@@ -460,6 +476,22 @@ class _RawShape:
     ) -> _RawShape | None:
         if before is None:
             return None
+        try:
+            return cls._learn(producer, before, headers, routed, task_id, body)
+        except Exception:  # whatever kombu holds, its own publication of every message is the answer
+            _warn_unlearnt("learning the shape failed", exc_info=True)
+            return None
+
+    @classmethod
+    def _learn(
+        cls,
+        producer: Any,
+        before: tuple[Any, int],
+        headers: dict[str, Any],
+        routed: dict[str, Any],
+        task_id: str,
+        body: tuple[Any, ...],
+    ) -> _RawShape | None:
         from kombu.utils.json import loads
 
         state, count = before
@@ -491,7 +523,7 @@ class _RawShape:
         tag = written["properties"].get("delivery_tag")
         again["properties"]["delivery_tag"] = tag
         if again != written or written["properties"].get("correlation_id") != task_id:
-            log.debug("a batch's messages go through kombu: the first one differs when written here")
+            _warn_unlearnt("kombu wrote the first message otherwise")
             return None
         return shape
 
@@ -506,6 +538,17 @@ class _RawShape:
         properties["delivery_tag"] = str(uuid.uuid4())
         message["properties"] = properties
         return dumps(message)
+
+
+_UNLEARNT_WARNED: set[str] = set()
+
+
+def _warn_unlearnt(why: str, **kwargs: Any) -> None:
+    """Say once a process why a batch's messages all go through kombu (slower, not wrong): a
+    new kombu, a compression, or a bug here; once, since it holds for every batch."""
+    if why not in _UNLEARNT_WARNED:
+        _UNLEARNT_WARNED.add(why)
+        log.warning("batch messages go through kombu one by one: %s", why, **kwargs)
 
 
 def _declared(producer: Any, routed: dict[str, Any]) -> bool:
