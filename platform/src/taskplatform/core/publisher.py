@@ -100,15 +100,10 @@ def publish(execution: Execution, *, task_id: str, countdown: float | None = Non
                     **message_options(execution, task_id=task_id, countdown=countdown),
                 )
         else:
-            shape = _shape(execution, countdown, shared=True)
-            written = _SHARED.written.get(shape) if shape is not None else None
-            if written is not None and shape is not None and written.send(prototypes, shape, execution, task_id):
-                return True
             with current_app.producer_or_acquire() as producer:
-                sender = _BatchSender(current_app, producer, batched=False, prototypes=prototypes)
-                sender.send(execution, task_id, countdown)
-                if shape is not None and shape not in _SHARED.written:
-                    _SHARED.written[shape] = _Written.learn(current_app, producer, shape, execution)
+                _BatchSender(current_app, producer, batched=False, prototypes=prototypes).send(
+                    execution, task_id, countdown
+                )
     except Exception:  # the row is safe in the ledger; the rescuer publishes it again
         log.warning(
             "publication failed; the rescuer will publish it again",
@@ -130,11 +125,9 @@ class _Shared(threading.local):
     fingerprint: tuple[Any, ...] = ()
     settings: tuple[Any, ...] = ()  # the settings' values, held so that their ids stay theirs
     prototypes: dict[tuple[Any, ...], _Prototype | None]
-    written: dict[tuple[Any, ...], _Written | None]  # per shape, as learnt by ``_Written.learn``
 
     def __init__(self) -> None:
         self.prototypes = {}
-        self.written = {}
 
 
 _SHARED = _Shared()
@@ -171,7 +164,7 @@ def _shared_prototypes(app: Any) -> dict[tuple[Any, ...], _Prototype | None] | N
     fingerprint = (app, os.getpid(), _DJANGO_CELERY_SETTINGS[0], tuple(changes), tuple(map(id, values)))
     shared = _SHARED
     if shared.fingerprint != fingerprint:
-        shared.fingerprint, shared.settings, shared.prototypes, shared.written = fingerprint, values, {}, {}
+        shared.fingerprint, shared.settings, shared.prototypes = fingerprint, values, {}
     return shared.prototypes
 
 
@@ -255,11 +248,14 @@ class _BatchSender:
 
     def send(self, execution: Execution, task_id: str, countdown: float | None) -> None:
         prototype = None
-        shape = _shape(execution, countdown, shared=self.shared)
-        if shape is not None:
-            if shape not in self.prototypes:
-                self.prototypes[shape] = self._prototype(execution)
-            prototype = self.prototypes[shape]
+        if not countdown:
+            # What ``message_options`` reads besides the task id and the execution's own headers.
+            job = _job_shape(execution)
+            if not (self.shared and job[0] == "job"):
+                shape = (execution.task_name, execution.queue, execution.priority, *job)
+                if shape not in self.prototypes:
+                    self.prototypes[shape] = self._prototype(execution)
+                prototype = self.prototypes[shape]
         with tracing.publishing(execution.trace_context, execution.task_name, task_id):
             if prototype is None:
                 self.app.send_task(
@@ -319,11 +315,7 @@ class _BatchSender:
             return _Prototype(message, options, routed, task, fixed_queue=fixed_queue, lease=lease)
         return _Prototype(message, options, routed, task, fixed_queue=False, lease=lease)
 
-    def _parts(
-        self, prototype: _Prototype, execution: Execution, task_id: str
-    ) -> tuple[dict[str, Any], dict[str, Any], tuple[Any, Any, dict[str, Any]], dict[str, Any] | None, dict[str, Any]]:
-        """The message of ``execution`` from ``prototype``: headers, properties, body, sent
-        event and routed options, as ``send_task_message`` takes them."""
+    def _send(self, prototype: _Prototype, execution: Execution, task_id: str) -> None:
         from celery.utils.saferepr import saferepr
 
         headers0, properties0, body0, event0 = prototype.message
@@ -348,16 +340,12 @@ class _BatchSender:
         routed = prototype.routed
         if routed is None:  # task_routes may route on the arguments: Celery's router, every message
             routed = self.amqp.router.route(dict(prototype.options), execution.task_name, args, kwargs, prototype.task)
-        return headers, properties, (args, kwargs, dict(body0[2])), event, routed
-
-    def _send(self, prototype: _Prototype, execution: Execution, task_id: str) -> None:
-        headers, properties, body, event, routed = self._parts(prototype, execution, task_id)
         retry = self.retry
         raw = self.raw.get(id(prototype)) if self.raw is not None else None
         if raw is not None:
             if routed.get("headers"):
                 headers.update(routed["headers"])
-            self._push(raw.key, raw.payload(headers, task_id, body))
+            self._push(raw.key, raw.payload(headers, task_id, (args, kwargs, dict(body0[2]))))
             return
         first = id(prototype) not in self.started
         if first:  # Celery declares the queue and connects, its way
@@ -376,10 +364,16 @@ class _BatchSender:
         written = _batch_commands(self.producer) if capture else None
         sent_headers = headers.copy()
         self.amqp.send_task_message(
-            self.producer, execution.task_name, (headers, properties, body, event), retry=retry, **routed
+            self.producer,
+            execution.task_name,
+            (headers, properties, (args, kwargs, dict(body0[2])), event),
+            retry=retry,
+            **routed,
         )
         if capture:
-            self.raw[id(prototype)] = _RawShape.learn(self.producer, written, sent_headers, routed, task_id, body)
+            self.raw[id(prototype)] = _RawShape.learn(
+                self.producer, written, sent_headers, routed, task_id, (args, kwargs, dict(body0[2]))
+            )
 
     def _push(self, key: bytes | str, payload: str) -> None:
         self.raw_pending.setdefault(key, []).append(payload)
@@ -412,105 +406,12 @@ class _BatchSender:
         self.raw_sent += sum(map(len, pending.values()))
 
 
-def _shape(execution: Execution, countdown: float | None, *, shared: bool) -> tuple[Any, ...] | None:
-    """What a message's prototype depends on besides the task id and the execution's own
-    headers (what ``message_options`` reads), or None where ``send_task`` builds it: a
-    countdown, or for ``publish`` (``shared``) a job that is not loaded."""
-    if countdown:
-        return None
-    job = _job_shape(execution)
-    if shared and job[0] == "job":
-        return None
-    return (execution.task_name, execution.queue, execution.priority, *job)
-
-
-#: The task id of the message ``_Written.learn`` has kombu build and then throws away.
-LEARNING_TASK_ID = "taskplatform-learning-never-sent"
-
-
-class _Learnt(Exception):
-    """Ends the kombu batch of ``_Written.learn``, which discards what it buffered."""
-
-
-class _Written:
-    """``publish``'s messages of one shape in one thread, written as ``_RawShape`` writes a
-    batch's and sent with one ``LPUSH`` on a Redis client of the broker's channel.
-
-    Measured on a ``submit()`` loop: a publication through Celery and kombu cost about 300 µs
-    of CPU (kombu's retrying publication, the producer pool, Celery's sender), about 40 % of
-    the call. After a shape's first publication through Celery, ``learn`` has kombu build the
-    shape's message once more inside a kombu batch that it then discards (nothing is sent),
-    and keeps what kombu wrote, under the conditions ``_RawShape`` sets (no publish
-    receivers, no ``task-sent`` events, one fixed queue, kombu's message rewritten
-    identically). A later publication of the shape writes its message from it, unless a
-    publish receiver has been connected since. If the ``LPUSH`` fails, the shape is
-    forgotten and the message goes through Celery and kombu, with Celery's retry policy, as
-    before (a copy the broker took twice is absorbed by the claim). The thread's prototypes
-    and these are dropped together (``_shared_prototypes``: a setting, another app, a fork).
-    """
-
-    __slots__ = ("client", "raw", "sender")
-
-    def __init__(self, raw: _RawShape, client: Any, sender: _BatchSender) -> None:
-        self.raw, self.client, self.sender = raw, client, sender
-
-    @classmethod
-    def learn(cls, app: Any, producer: Any, shape: tuple[Any, ...], execution: Execution) -> _Written | None:
-        learner = _BatchSender(app, producer, batched=True)
-        try:
-            with producer.batch(max_size=PUBLISH_BATCH_SIZE):
-                learner.send(execution, LEARNING_TASK_ID, None)
-                raise _Learnt
-        except _Learnt:
-            pass
-        except Exception:
-            _warn_unlearnt("learning a publication's shape failed", exc_info=True)
-            return None
-        prototype = learner.prototypes.get(shape)
-        raw = learner.raw.get(id(prototype)) if prototype is not None else None
-        if raw is None:
-            return None
-        with producer.channel.conn_or_acquire() as client:  # a client of the channel's pool, kept
-            return cls(raw, client, _BatchSender(app, None, batched=False))
-
-    def send(
-        self,
-        prototypes: dict[tuple[Any, ...], _Prototype | None],
-        shape: tuple[Any, ...],
-        execution: Execution,
-        task_id: str,
-    ) -> bool:
-        """Send ``execution``'s message; False where Celery and kombu must (then forgotten if
-        the ``LPUSH`` failed)."""
-        from celery import signals
-
-        prototype = prototypes.get(shape)
-        if prototype is None or _publish_receivers(signals):
-            return False
-        headers, _properties, body, _event, _routed = self.sender._parts(prototype, execution, task_id)
-        try:
-            with tracing.publishing(execution.trace_context, execution.task_name, task_id):
-                self.client.lpush(self.raw.key, self.raw.payload(headers, task_id, body))
-        except Exception:
-            _SHARED.written.pop(shape, None)
-            log.info("a written publication failed; sending it through Celery", exc_info=True)
-            return False
-        return True
-
-
-def _publish_receivers(signals: Any) -> bool:
-    """Whether a receiver of Celery's publication signals is connected (each message is theirs)."""
-    return bool(
-        signals.before_task_publish.receivers or signals.after_task_publish.receivers or signals.task_sent.receivers
-    )
-
-
 def _batch_commands(producer: Any) -> tuple[Any, int] | None:
     """``producer``'s active kombu batch and how many commands its Redis pipeline holds, or
     None (a publish receiver, no batch, not Redis, or a kombu whose batch is built otherwise)."""
     from celery import signals
 
-    if _publish_receivers(signals):
+    if signals.before_task_publish.receivers or signals.after_task_publish.receivers or signals.task_sent.receivers:
         return None  # a receiver sees, and may change, every message: Celery's way for each
     # Not ``producer.channel`` yet: before the first publication it would connect with the
     # connection's own retry policy, not Celery's (``learn`` looks at it after).
