@@ -237,7 +237,6 @@ class _BatchSender:
         self.raw: dict[int, _RawShape | None] = {} if batched else None  # type: ignore[assignment]
         self.raw_pending: dict[bytes | str, list[str]] = {}
         self.raw_buffered = [0, 0]  # messages and characters in ``raw_pending``
-        self.raw_sent = 0  # messages written by ``_RawShape``
         self.kombu_batch: Any = None  # the kombu batch the messages go through, if any
 
     @cached_property
@@ -403,7 +402,6 @@ class _BatchSender:
             for key, payloads in pending.items():
                 pipe.lpush(key, *payloads)
             pipe.execute()
-        self.raw_sent += sum(map(len, pending.values()))
 
 
 def _batch_commands(producer: Any) -> tuple[Any, int] | None:
@@ -446,13 +444,12 @@ class _RawShape:
     one buffered ``LPUSH``, and every message of the shape goes through kombu. It is not used
     where a ``before_task_publish``, ``after_task_publish`` or (deprecated) ``task_sent``
     receiver is connected (each message is theirs to see and change: OpenTelemetry's
-    instrumentation is one), where
-    ``task-sent`` events are on (each is a second command in kombu's pipeline), nor for a
-    queue that is not one fixed list
-    (``_Prototype.fixed_queue``: not with ``task_routes``, which may route on the arguments),
-    nor with a ``global_keyprefix`` (kombu's key is already prefixed). A wrapper patched around
-    kombu's ``Producer.publish`` or Celery's ``send_task_message``, rather than connected to
-    the signals, sees a shape's first message only. ``tests/ledger/test_submit_many.py``
+    instrumentation is one), where ``task-sent`` events are on (each is a second command in
+    kombu's pipeline), nor for a queue that is not one fixed list (``_Prototype.fixed_queue``:
+    not with ``task_routes``, which may route on the arguments), nor with a
+    ``global_keyprefix`` (kombu's key is already prefixed). A wrapper patched around kombu's
+    ``Producer.publish`` or Celery's ``send_task_message``, rather than connected to the
+    signals, sees a shape's first message only. ``tests/ledger/test_submit_many.py``
     compares the messages.
     """
 
