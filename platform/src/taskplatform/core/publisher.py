@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from billiard.exceptions import SoftTimeLimitExceeded, Terminated
 from django.core.signals import setting_changed
 from django.db import transaction
 
@@ -78,6 +79,13 @@ def message_options(execution: Execution, *, task_id: str, countdown: float | No
     return options
 
 
+#: What a worker raises into a running task to stop it (its soft time limit, a revocation's
+#: termination). Both are ``Exception``s: ``publish`` and ``publish_many`` let them through,
+#: so a task that publishes when its limit fires stops there (its rows stay with the
+#: rescuer), instead of going on past its limit after a "publication failed" warning.
+_TASK_CONTROL = (SoftTimeLimitExceeded, Terminated)
+
+
 def publish(execution: Execution, *, task_id: str, countdown: float | None = None) -> bool:
     """Send the message for ``execution`` now; False (logged) if the broker refused it.
 
@@ -104,6 +112,8 @@ def publish(execution: Execution, *, task_id: str, countdown: float | None = Non
                 _BatchSender(current_app, producer, batched=False, prototypes=prototypes).send(
                     execution, task_id, countdown
                 )
+    except _TASK_CONTROL:  # the running task's own limit or end: not a failed publication
+        raise
     except Exception:  # the row is safe in the ledger; the rescuer publishes it again
         log.warning(
             "publication failed; the rescuer will publish it again",
@@ -235,6 +245,8 @@ class _BatchSender:
         # Inside a kombu batch on Redis: per prototype, the Redis list and the message kombu
         # wrote for its first message (``_RawShape``), or None where kombu must write each one.
         self.raw: dict[int, _RawShape | None] = {} if batched else None  # type: ignore[assignment]
+        # Learnt from a shape's first message, waiting for its second to confirm it (``_RawShape``).
+        self.learning: dict[int, _RawShape] = {}
         self.raw_pending: dict[bytes | str, list[str]] = {}
         self.raw_buffered = [0, 0]  # messages and characters in ``raw_pending``
         self.kombu_batch: Any = None  # the kombu batch the messages go through, if any
@@ -359,7 +371,7 @@ class _BatchSender:
             routed = dict(routed, declare=[])  # a list of its own: kombu may append to it
         # A ``task-sent`` event is a second command in kombu's pipeline: such a shape is not
         # learnt (``_RawShape.learn``), and Celery sends each message and its event.
-        capture = first and self.raw is not None and prototype.fixed_queue
+        capture = self.raw is not None and prototype.fixed_queue and (first or id(prototype) in self.learning)
         written = _batch_commands(self.producer) if capture else None
         sent_headers = headers.copy()
         self.amqp.send_task_message(
@@ -370,9 +382,19 @@ class _BatchSender:
             **routed,
         )
         if capture:
-            self.raw[id(prototype)] = _RawShape.learn(
-                self.producer, written, sent_headers, routed, task_id, (args, kwargs, dict(body0[2]))
+            learnt = _RawShape.learn(
+                self.producer,
+                written,
+                sent_headers,
+                routed,
+                task_id,
+                (args, kwargs, dict(body0[2])),
+                self.learning.pop(id(prototype), None),
             )
+            if learnt is not None and first:
+                self.learning[id(prototype)] = learnt  # written from only once the second agrees
+            else:
+                self.raw[id(prototype)] = learnt
 
     def _push(self, key: bytes | str, payload: str) -> None:
         self.raw_pending.setdefault(key, []).append(payload)
@@ -388,8 +410,12 @@ class _BatchSender:
         their lists) or ``RAW_PUSH_CHARACTERS`` are waiting, as kombu's batch sends its
         commands. A list gets them in the order they were written, as from kombu's ``LPUSH``
         of one at a time; and kombu's buffered messages go first, so a shape's first message
-        (through kombu) is ahead of the others. (Across shapes, as in Celery, no order is
-        promised: a message kombu sends, say one with a countdown, may pass written ones.)
+        (through kombu) is ahead of the others. Across shapes sharing a list the order may
+        differ from the items' (kombu's own batch would keep it): kombu's messages of a
+        flush go before the written ones. Celery promises no order between messages (a
+        worker prefetches and several consume), and the ledger does not depend on one.
+        The routes are the first message's: a binding added to the exchange during the
+        batch sees none of its written messages, as if the batch were sent at once then.
         No retry, as for kombu's batch: a failure reaches ``publish_many``, which leaves the
         rows to the rescuer."""
         if not self.raw_pending:
@@ -439,9 +465,11 @@ class _RawShape:
     thousand (``_BatchSender.flush_raw``).
 
     ``learn`` builds the first message again this way and compares it with what kombu wrote,
-    field by field; any difference (a compression, a serializer, another transport's
-    format, a kombu that writes otherwise), or a first message that did not become exactly
-    one buffered ``LPUSH``, and every message of the shape goes through kombu. It is not used
+    field by field; then the second message also goes through kombu, and is compared with
+    what the first one's template writes for it, so a field kombu sets per message besides
+    the four rewritten is caught. Any difference (a compression, a serializer, another
+    transport's format, a kombu that writes otherwise), or a message that did not become
+    exactly one buffered ``LPUSH``, and every message of the shape goes through kombu. It is not used
     where a ``before_task_publish``, ``after_task_publish`` or (deprecated) ``task_sent``
     receiver is connected (each message is theirs to see and change: OpenTelemetry's
     instrumentation is one), where ``task-sent`` events are on (each is a second command in
@@ -470,11 +498,17 @@ class _RawShape:
         routed: dict[str, Any],
         task_id: str,
         body: tuple[Any, ...],
+        candidate: _RawShape | None = None,
     ) -> _RawShape | None:
+        """The shape of the message kombu just buffered, or None. With ``candidate`` (the
+        shape learnt from the first message), this is the second message: ``candidate`` if
+        it writes this one as kombu did, else None. So a field kombu or its transport sets
+        per message other than the ones ``payload`` rewrites (a sequence number, a time) is
+        never copied from the first message into the others."""
         if before is None:
             return None
         try:
-            return cls._learn(producer, before, headers, routed, task_id, body)
+            return cls._learn(producer, before, headers, routed, task_id, body, candidate)
         except Exception:  # whatever kombu holds, its own publication of every message is the answer
             _warn_unlearnt("learning the shape failed", exc_info=True)
             return None
@@ -488,6 +522,7 @@ class _RawShape:
         routed: dict[str, Any],
         task_id: str,
         body: tuple[Any, ...],
+        candidate: _RawShape | None,
     ) -> _RawShape | None:
         from kombu.utils.json import loads
 
@@ -513,14 +548,16 @@ class _RawShape:
             raw: Any = data.encode(content_encoding) if isinstance(data, str) else data
             return channel.encode_body(raw, encoding)[0]
 
-        shape = cls(command[1], written, encode)
+        shape = cls(command[1], written, encode) if candidate is None else candidate
+        if command[1] != shape.key:
+            return None
         if routed.get("headers"):
             headers = dict(headers, **routed["headers"])
         again = loads(shape.payload(headers, task_id, body))
         tag = written["properties"].get("delivery_tag")
         again["properties"]["delivery_tag"] = tag
         if again != written or written["properties"].get("correlation_id") != task_id:
-            _warn_unlearnt("kombu wrote the first message otherwise")
+            _warn_unlearnt("kombu wrote the message otherwise")
             return None
         return shape
 
@@ -654,6 +691,8 @@ def publish_many(entries: Sequence[tuple[Execution, str, float | None]]) -> bool
                     sender.send(execution, task_id, countdown)
                     sent += 1
                 sender.flush_raw()
+    except _TASK_CONTROL:  # the running task's own limit or end: not a failed publication
+        raise
     except Exception:  # the rows are safe in the ledger; the rescuer publishes them again
         log.warning(
             "batch publication failed; the rescuer will publish its rows again",
