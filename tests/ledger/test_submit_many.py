@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -1105,12 +1106,16 @@ def test_a_field_kombu_sets_per_message_is_never_copied_from_the_first_message(b
     assert len(celery_sends) == 4
 
 
+@pytest.mark.parametrize("when", ["at-once", "on-commit", "on-commit-in-atomic"])
 @pytest.mark.parametrize("many", [False, True], ids=["submit", "submit_many"])
-def test_a_soft_time_limit_that_fires_while_publishing_stops_the_task_and_loses_no_row(broker, monkeypatch, many):
-    """A task's soft time limit (or a termination) raised while its ``submit`` publishes is
-    the task's to handle, not a failed publication to log and pass over: it reaches the
-    caller, and the committed row stays due for the rescuer. (Review finding: it was
-    swallowed, and the body ran on past its limit.)"""
+def test_a_soft_time_limit_that_fires_while_publishing_reaches_the_caller_and_loses_no_row(
+    broker, monkeypatch, many, when
+):
+    """A task's soft time limit raised while its ``submit`` publishes is the task's to handle,
+    not a failed publication to log and pass over: it reaches the code that called ``submit``
+    (with ``on_commit``, the code whose commit ran the publication), and the committed row
+    stays due for the rescuer. (Review findings: it was swallowed by ``publish``, then by
+    Django's robust commit hooks, and the body ran on past its limit.)"""
     from celery import current_app
     from celery.exceptions import SoftTimeLimitExceeded
 
@@ -1118,14 +1123,32 @@ def test_a_soft_time_limit_that_fires_while_publishing_stops_the_task_and_loses_
         raise SoftTimeLimitExceeded()
 
     monkeypatch.setattr(current_app.amqp, "send_task_message", fires)
-    with pytest.raises(SoftTimeLimitExceeded):
+    on_commit = when != "at-once"
+    scope = transaction.atomic() if when == "on-commit-in-atomic" else nullcontext()
+    with pytest.raises(SoftTimeLimitExceeded), scope:
         if many:
-            submit_many(EFFECT, [{"idempotency_key": "stl"}], queue=broker.name, on_commit=False)
+            submit_many(EFFECT, [{"idempotency_key": "stl"}], queue=broker.name, on_commit=on_commit)
         else:
-            submit(EFFECT, idempotency_key="stl", queue=broker.name, on_commit=False)
+            submit(EFFECT, idempotency_key="stl", queue=broker.name, on_commit=on_commit)
     row = Execution.objects.get(idempotency_key="stl")
     assert row.state == "PENDING" and row.due_at is not None
     assert broker.messages() == []
+
+
+def test_a_soft_time_limit_that_fires_while_a_shape_is_learnt_reaches_the_caller(broker, monkeypatch):
+    """The same limit raised while a shape is learnt from kombu's message (JSON of the whole
+    message) is not a shape kombu writes otherwise: it reaches the caller."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from taskplatform.core import publisher
+
+    def fires(*_: Any, **__: Any) -> Any:
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(publisher._RawShape, "_learn", classmethod(fires))
+    with pytest.raises(SoftTimeLimitExceeded):
+        submit_many(EFFECT, [{"idempotency_key": f"sl{i}"} for i in range(5)], queue=broker.name, on_commit=False)
+    assert Execution.objects.filter(idempotency_key__startswith="sl", state="PENDING").count() == 5
 
 
 def test_a_shape_whose_second_message_kombu_routes_elsewhere_goes_through_kombu(broker, celery_sends, monkeypatch):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from billiard.exceptions import SoftTimeLimitExceeded, Terminated
+from billiard.exceptions import SoftTimeLimitExceeded
 from django.core.signals import setting_changed
 from django.db import transaction
 
@@ -79,11 +79,11 @@ def message_options(execution: Execution, *, task_id: str, countdown: float | No
     return options
 
 
-#: What a worker raises into a running task to stop it (its soft time limit, a revocation's
-#: termination). Both are ``Exception``s: ``publish`` and ``publish_many`` let them through,
-#: so a task that publishes when its limit fires stops there (its rows stay with the
-#: rescuer), instead of going on past its limit after a "publication failed" warning.
-_TASK_CONTROL = (SoftTimeLimitExceeded, Terminated)
+#: What a worker raises into a running task to stop it: its soft time limit, an ``Exception``.
+#: ``publish``, ``publish_many`` and the learning of a shape let it through, so a task that
+#: publishes when its limit fires stops there (its rows stay due for the rescuer), instead of
+#: going on past its limit after a "publication failed" warning.
+_TASK_CONTROL = (SoftTimeLimitExceeded,)
 
 
 def publish(execution: Execution, *, task_id: str, countdown: float | None = None) -> bool:
@@ -178,9 +178,15 @@ def _shared_prototypes(app: Any) -> dict[tuple[Any, ...], _Prototype | None] | N
     return shared.prototypes
 
 
-def publish_on_commit(execution: Execution, *, task_id: str, countdown: float | None) -> None:
-    """Publish once the current transaction commits (at once outside a transaction)."""
-    transaction.on_commit(lambda: publish(execution, task_id=task_id, countdown=countdown), robust=True)
+def publish_on_commit(execution: Execution, *, task_id: str, countdown: float | None, robust: bool = True) -> None:
+    """Publish once the current transaction commits (at once outside a transaction).
+
+    ``publish`` logs every failure but the running task's soft time limit (``_TASK_CONTROL``).
+    ``robust=False``, for a ``submit()`` from the caller's code, lets that limit reach the
+    code whose commit ran the publication (Django's robust hooks would log it and go on); the
+    ledger's own publications (retries, waits) keep Django's robust hooks.
+    """
+    transaction.on_commit(lambda: publish(execution, task_id=task_id, countdown=countdown), robust=robust)
 
 
 #: Broker operations a batch buffers before it sends them (kombu's ``Producer.batch``).
@@ -477,7 +483,7 @@ class _RawShape:
     not with ``task_routes``, which may route on the arguments), nor with a
     ``global_keyprefix`` (kombu's key is already prefixed). A wrapper patched around kombu's
     ``Producer.publish`` or Celery's ``send_task_message``, rather than connected to the
-    signals, sees a shape's first message only. ``tests/ledger/test_submit_many.py``
+    signals, sees a shape's first two messages only. ``tests/ledger/test_submit_many.py``
     compares the messages.
     """
 
@@ -509,6 +515,8 @@ class _RawShape:
             return None
         try:
             return cls._learn(producer, before, headers, routed, task_id, body, candidate)
+        except _TASK_CONTROL:  # the task's limit, not a shape kombu writes otherwise
+            raise
         except Exception:  # whatever kombu holds, its own publication of every message is the answer
             _warn_unlearnt("learning the shape failed", exc_info=True)
             return None
@@ -708,7 +716,8 @@ def publish_many(entries: Sequence[tuple[Execution, str, float | None]]) -> bool
     return True
 
 
-def publish_many_on_commit(entries: Sequence[tuple[Execution, str, float | None]]) -> None:
-    """``publish_many`` once the current transaction commits (at once outside a transaction)."""
+def publish_many_on_commit(entries: Sequence[tuple[Execution, str, float | None]], *, robust: bool = True) -> None:
+    """``publish_many`` once the current transaction commits (at once outside a transaction);
+    ``robust`` as for ``publish_on_commit``."""
     if entries:
-        transaction.on_commit(lambda: publish_many(entries), robust=True)
+        transaction.on_commit(lambda: publish_many(entries), robust=robust)

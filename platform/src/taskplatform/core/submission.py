@@ -138,7 +138,7 @@ def _submit_or_get(
         return execution, False
     if task_id:  # not parked in the ledger
         if on_commit:
-            publish_on_commit(execution, task_id=task_id, countdown=delay or None)
+            publish_on_commit(execution, task_id=task_id, countdown=delay or None, robust=False)
         else:
             publish(execution, task_id=task_id, countdown=delay or None)
     return execution, True
@@ -386,7 +386,7 @@ def _submit_many(
             if created and spec.celery_task_id  # existing rows are not published again; parked rows wait
         ]
         if on_commit:
-            publish_many_on_commit(entries)
+            publish_many_on_commit(entries, robust=False)
     if not on_commit:
         publish_many(entries)
 
