@@ -627,3 +627,24 @@ def test_submit_many_returns_the_rows_it_stored(binary: bool, monkeypatch: pytes
     for item, execution in zip(items, result.executions, strict=True):
         assert execution.pk == Execution.objects.get(idempotency_key=item["idempotency_key"]).pk
         assert_as_stored(execution, exact_types=False)
+
+
+@pytest.mark.portable
+def test_a_message_carrying_another_tasks_execution_header_runs_as_its_own_execution() -> None:
+    """A child task's message that carries its parent's ledger headers (code that forwards
+    ``self.request.headers`` to ``apply_async``) names an execution of another task. It must
+    not claim that row, nor be absorbed by it as a duplicate (then the child silently never
+    runs): the row is left as it was, and the child runs once, as a call of its own.
+    (Review finding: neither claim path compared the row's task with the message's.)"""
+    from taskplatform.core.publisher import HEADER_EXECUTION, HEADER_KEY
+    from tests.testapp.models import Effect
+    from tests.testapp.tasks import effect
+
+    parent = ledger.create(ledger.NewExecution("parent-of-forwarded", "testapp.atomic_effect", [], {}))[0]
+    effect.apply(task_id="child-with-forwarded-headers", headers={HEADER_EXECUTION: parent.pk, HEADER_KEY: "x"})
+    row = Execution.objects.get(pk=parent.pk)
+    assert (row.state, row.attempts) == (State.PENDING, 0)
+    assert not ExecutionEvent.objects.filter(execution_id=parent.pk, kind=EventKind.CLAIMED).exists()
+    child = Execution.objects.get(idempotency_key="child-with-forwarded-headers")
+    assert (child.task_name, child.state) == ("testapp.effect", State.SUCCEEDED)
+    assert list(Effect.objects.values_list("key", flat=True)) == ["child-with-forwarded-headers"]

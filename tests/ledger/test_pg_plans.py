@@ -64,7 +64,14 @@ def _scan_of_executions(plan: str) -> str:
 def test_the_first_attempt_claim_finds_its_row_by_primary_key_under_stale_statistics() -> None:
     """Alone, and carrying the previous attempt's success (both of its row lookups)."""
     burst = _stale_statistics_then_a_burst()
-    params: dict[str, Any] = {"id": burst[0].pk, "now": timezone.now(), "lease": 60, "worker": "w:1", "task_id": "t"}
+    params: dict[str, Any] = {
+        "id": burst[0].pk,
+        "now": timezone.now(),
+        "lease": 60,
+        "worker": "w:1",
+        "task_id": "t",
+        "task": "testapp.effect",
+    }
     scan = _scan_of_executions(_plan(_pg._claim_sql(False), params))
     assert "_pkey" in scan, f"the claim walks an index other than the primary key: {scan}"
     carried = {"id": burst[-1].pk, "token": 1, "result": None, "now": timezone.now(), "worker": "w:1", "data": "{}"}

@@ -564,7 +564,7 @@ def _claim_sql(carrying: bool) -> str:
                 started_at = %(now)s,
                 due_at = NULL,
                 updated_at = %(now)s
-            WHERE e.id = %(id)s AND (e.state = 'PENDING') IS TRUE AND e.attempts = 0
+            WHERE e.id = %(id)s AND (e.state = 'PENDING') IS TRUE AND e.attempts = 0 AND e.task_name = %(task)s
               AND (e.lease_expires_at IS NULL OR e.lease_expires_at <= statement_timestamp())
             RETURNING {_returning("e")},
                       round(EXTRACT(EPOCH FROM e.lease_expires_at - statement_timestamp()))::int AS lease_seconds
@@ -599,6 +599,7 @@ def claim_first_attempt(
         "lease": default_lease_seconds,
         "worker": delivery.worker[:255],
         "task_id": delivery.celery_task_id[:255],
+        "task": delivery.task_name,  # a row of another task is not this message's (``claim_message``)
     }
     if carried is not None:
         params.update({f"s_{name}": value for name, value in _attempt_params(carried).items()})

@@ -342,7 +342,8 @@ def claim_message(
     started_at: datetime | None = None,
     carried: FinishedAttempt | None = None,
 ) -> Claim | None:
-    """Claim the execution a message points at; None if the row does not exist.
+    """Claim the execution a message points at; None if the row does not exist, ``foreign``
+    if it is an execution of another task than the message's.
 
     The common case, a first attempt of a ``PENDING`` row, is one statement on PostgreSQL;
     every other case takes the portable ``claim``. ``started_at``: see ``claim``.
@@ -358,6 +359,11 @@ def claim_message(
     execution = Execution.objects.select_related("job").filter(pk=delivery.execution_id).first()
     if execution is None:
         return None
+    if execution.task_name != delivery.task_name:
+        # The message names an execution of another task: not its own row (code that
+        # forwarded a parent task's headers to a child copies the ledger's). Absorbed as a
+        # duplicate, the child would silently never run: the caller runs it as a plain call.
+        return Claim("foreign", execution)
     return claim(
         execution,
         worker=delivery.worker,

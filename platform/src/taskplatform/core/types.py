@@ -13,7 +13,7 @@ from typing import Any, Literal
 from ..domain.states import State
 from ..models import Execution, JobDefinition, Trigger
 
-ClaimOutcome = Literal["claimed", "duplicate", "early", "superseded", "finished", "exhausted"]
+ClaimOutcome = Literal["claimed", "duplicate", "early", "superseded", "finished", "exhausted", "foreign"]
 
 
 @dataclass

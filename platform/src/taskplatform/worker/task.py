@@ -427,7 +427,15 @@ class IdempotentTask(Task):
                     "message for a missing execution dropped (pruned, or published before commit)",
                     extra={"execution_id": execution_id, "celery_task_id": request.id},
                 )
-            return claim
+            if claim is None or claim.outcome != "foreign":
+                return claim
+            log.error(
+                "message carries the ledger headers of an execution of another task (%s; headers forwarded "
+                "from a parent task?): run as a call of its own",
+                claim.execution.task_name,
+                extra={"execution_id": execution_id, "celery_task_id": request.id},
+            )
+            carried = None  # the claim's statement carried it, or the recorder writes it (``settle``)
         key = self.derive_idempotency_key(*args, **kwargs)
         if not key:
             # A replacement made by ``self.replace()`` inherits its parent's task id: it is
