@@ -630,7 +630,8 @@ def test_submit_many_returns_the_rows_it_stored(binary: bool, monkeypatch: pytes
 
 
 @pytest.mark.portable
-def test_a_message_carrying_another_tasks_execution_header_runs_as_its_own_execution() -> None:
+@pytest.mark.parametrize("parent_state", ["pending", "running", "succeeded"])
+def test_a_message_carrying_another_tasks_execution_header_runs_as_its_own_execution(parent_state: str) -> None:
     """A child task's message that carries its parent's ledger headers (code that forwards
     ``self.request.headers`` to ``apply_async``) names an execution of another task. It must
     not claim that row, nor be absorbed by it as a duplicate (then the child silently never
@@ -641,10 +642,20 @@ def test_a_message_carrying_another_tasks_execution_header_runs_as_its_own_execu
     from tests.testapp.tasks import effect
 
     parent = ledger.create(ledger.NewExecution("parent-of-forwarded", "testapp.atomic_effect", [], {}))[0]
+    if parent_state != "pending":  # the parent running (it forwards its headers), or done since
+        claimed = ledger.claim_message(
+            ledger.Delivery(parent.pk, "testapp.atomic_effect", [], {}, "node-a:1", "t-parent"),
+            default_lease_seconds=60, lease_seconds_for=lambda job: 60, max_attempts_for=lambda job: 3,
+        )  # fmt: skip
+        assert claimed is not None and claimed.outcome == "claimed"
+        if parent_state == "succeeded":
+            ledger.succeed(claimed.execution, claimed.token, None, worker="node-a:1", data={})
+    before = Execution.objects.get(pk=parent.pk)
+    events = ExecutionEvent.objects.filter(execution_id=parent.pk).count()
     effect.apply(task_id="child-with-forwarded-headers", headers={HEADER_EXECUTION: parent.pk, HEADER_KEY: "x"})
     row = Execution.objects.get(pk=parent.pk)
-    assert (row.state, row.attempts) == (State.PENDING, 0)
-    assert not ExecutionEvent.objects.filter(execution_id=parent.pk, kind=EventKind.CLAIMED).exists()
+    assert (row.state, row.attempts, row.fencing_token) == (before.state, before.attempts, before.fencing_token)
+    assert ExecutionEvent.objects.filter(execution_id=parent.pk).count() == events  # nothing absorbed into it
     child = Execution.objects.get(idempotency_key="child-with-forwarded-headers")
     assert (child.task_name, child.state) == ("testapp.effect", State.SUCCEEDED)
     assert list(Effect.objects.values_list("key", flat=True)) == ["child-with-forwarded-headers"]
