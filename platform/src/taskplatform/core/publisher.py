@@ -112,7 +112,7 @@ def publish(execution: Execution, *, task_id: str, countdown: float | None = Non
                 _BatchSender(current_app, producer, batched=False, prototypes=prototypes).send(
                     execution, task_id, countdown
                 )
-    except _TASK_CONTROL:  # the running task's own limit or end: not a failed publication
+    except _TASK_CONTROL:  # the running task's soft time limit: not a failed publication
         raise
     except Exception:  # the row is safe in the ledger; the rescuer publishes it again
         log.warning(
@@ -699,7 +699,7 @@ def publish_many(entries: Sequence[tuple[Execution, str, float | None]]) -> bool
                     sender.send(execution, task_id, countdown)
                     sent += 1
                 sender.flush_raw()
-    except _TASK_CONTROL:  # the running task's own limit or end: not a failed publication
+    except _TASK_CONTROL:  # the running task's soft time limit: not a failed publication
         raise
     except Exception:  # the rows are safe in the ledger; the rescuer publishes them again
         log.warning(
