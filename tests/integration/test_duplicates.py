@@ -69,3 +69,28 @@ def test_a_plain_celery_call_is_keyed_by_its_task_id_so_a_redelivery_is_absorbed
     assert Effect.objects.filter(key="plain-call-1").count() == 1
     assert EffectRaw.objects.filter(key="plain-call-1", phase="started").count() == 1
     figures.record(**tally(Execution.objects.all()), messages=2)
+
+
+@pytest.mark.parametrize("child", ["testapp.forwarding_parent", "testapp.effect"])
+def test_a_child_sent_with_its_parents_forwarded_headers_runs_once_and_so_does_the_parent(workers, poll, child):
+    """A body that sends a child with ``headers=self.request.headers`` copies the ledger's
+    headers, which name its own execution, into the child's message. The child, of the same
+    task (other arguments) or of another, must neither be absorbed into the parent's execution
+    (then it silently never runs) nor claim it: it runs once, as an execution of its own keyed
+    by its task id, and the parent's row records the parent's one attempt. One pool process,
+    so the parent's success is still with the recorder when the child is claimed (carried in
+    the child's claim). Body runs are counted in ``EffectRaw`` (no unique constraint)."""
+    workers.start(concurrency=1)
+    parent = submit("testapp.forwarding_parent", kwargs={"child": child, "child_task_id": f"child-of-{child}"})
+    poll(
+        lambda: Execution.objects.filter(idempotency_key=f"child-of-{child}", state="SUCCEEDED").exists(),
+        timeout=60,
+        what="the child's own execution succeeded",
+    )
+    poll(lambda: state_of(parent.pk) == "SUCCEEDED", timeout=30, what="the parent succeeded")
+    row = Execution.objects.get(pk=parent.pk)
+    assert (row.attempts, row.fencing_token, event_kinds(parent.pk)) == (1, 1, ["claimed", "succeeded"])
+    own = Execution.objects.get(idempotency_key=f"child-of-{child}")
+    assert (own.task_name, own.kwargs, own.attempts) == (child, {}, 1)
+    assert EffectRaw.objects.filter(key=parent.idempotency_key, phase="started").count() == 1
+    assert EffectRaw.objects.filter(key=own.idempotency_key, phase="started").count() == 1

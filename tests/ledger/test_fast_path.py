@@ -659,3 +659,64 @@ def test_a_message_carrying_another_tasks_execution_header_runs_as_its_own_execu
     child = Execution.objects.get(idempotency_key="child-with-forwarded-headers")
     assert (child.task_name, child.state) == ("testapp.effect", State.SUCCEEDED)
     assert list(Effect.objects.values_list("key", flat=True)) == ["child-with-forwarded-headers"]
+
+
+@pytest.mark.portable
+@pytest.mark.parametrize("parent_state", ["running", "retrying"])
+def test_a_child_of_the_same_task_with_its_parents_forwarded_headers_neither_joins_nor_claims_its_parent(
+    parent_state: str,
+) -> None:
+    """A child of the *same* task, sent with its parent's headers forwarded whole (the
+    publisher's own, so ``tp_task_id`` names the parent's message), is not the parent's
+    message: while the parent runs it must not be absorbed as a duplicate (the child would
+    never run), and while the parent waits for a due retry it must not claim the parent's
+    execution with its own arguments (the parent's work would be lost, marked done). It runs
+    once, as an execution of its own; the parent's row and history stay as they were.
+    (Review finding: the task-name check let a same-task child through.)"""
+    from taskplatform.core.publisher import message_options
+    from tests.testapp.models import Effect
+    from tests.testapp.tasks import effect
+
+    parent = ledger.create(ledger.NewExecution("parent-same-task", "testapp.effect", [], {"gate": "parent"}))[0]
+    claimed = ledger.claim_message(
+        ledger.Delivery(parent.pk, "testapp.effect", [], {"gate": "parent"}, "node-a:1", "t-parent"),
+        default_lease_seconds=60, lease_seconds_for=lambda job: 60, max_attempts_for=lambda job: 3,
+    )  # fmt: skip
+    assert claimed is not None and claimed.outcome == "claimed"
+    if parent_state == "retrying":  # the parent failed after sending the child; its retry is due now
+        assert ledger.schedule_retry(
+            claimed.execution, claimed.token, delay_seconds=0, error="E", traceback="", worker="node-a:1"
+        )
+    before = Execution.objects.get(pk=parent.pk)
+    events = ExecutionEvent.objects.filter(execution_id=parent.pk).count()
+    forwarded = message_options(before, task_id="t-parent", countdown=None)["headers"]
+    effect.apply(task_id="same-task-child", headers=forwarded)
+    row = Execution.objects.get(pk=parent.pk)
+    assert (row.state, row.attempts, row.fencing_token) == (before.state, before.attempts, before.fencing_token)
+    assert ExecutionEvent.objects.filter(execution_id=parent.pk).count() == events
+    child = Execution.objects.get(idempotency_key="same-task-child")
+    assert (child.task_name, child.kwargs, child.state) == ("testapp.effect", {}, State.SUCCEEDED)
+    assert list(Effect.objects.values_list("key", flat=True)) == ["same-task-child"]
+
+
+@pytest.mark.portable
+def test_a_plain_call_whose_derived_key_names_another_tasks_execution_is_refused_and_that_row_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plain Celery call whose ``derive_idempotency_key`` gives a key already held by an
+    execution of another task: absorbed into that row, the call would silently never run.
+    It is refused with ``IdempotencyKeyConflictError`` (the delivery fails, visibly), its
+    body does not run, and the other task's row is left as it was."""
+    from taskplatform.exceptions import IdempotencyKeyConflictError
+    from tests.testapp.models import Effect
+    from tests.testapp.tasks import effect
+
+    other = ledger.create(ledger.NewExecution("order:7", "testapp.atomic_effect", [], {}))[0]
+    monkeypatch.setattr(effect, "derive_idempotency_key", lambda *a, **kw: "order:7")
+    outcome = effect.apply(task_id="call-with-a-clashing-key")
+    assert isinstance(outcome.result, IdempotencyKeyConflictError) and "testapp.atomic_effect" in str(outcome.result)
+    row = Execution.objects.get(pk=other.pk)
+    assert (row.state, row.attempts, row.task_name) == (State.PENDING, 0, "testapp.atomic_effect")
+    assert ExecutionEvent.objects.filter(execution_id=other.pk).count() == 0
+    assert Effect.objects.count() == 0
+    assert not Execution.objects.filter(idempotency_key="call-with-a-clashing-key").exists()

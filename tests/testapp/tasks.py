@@ -504,3 +504,16 @@ TEST_FLOW_REPLACING = Flow(
         Step("r", "testapp.plain_replace", kwargs=lambda input, results: {}),
     ],
 )  # fmt: skip
+
+
+@shared_task(base=IdempotentTask, bind=True, name="testapp.forwarding_parent")
+def forwarding_parent(self: IdempotentTask, child: str = "", child_task_id: str = "") -> None:
+    """Record its run, and send ``child`` (a task name) with this message's custom headers
+    forwarded whole, ledger headers included: what ``docs/writing-tasks.md`` warns against,
+    done the way user code would do it. The child is sent without arguments (so a child of
+    this same task forwards nothing further)."""
+    from celery import current_app
+
+    _raw(self, "started")
+    if child:
+        current_app.send_task(child, task_id=child_task_id, headers=dict(self.request.headers or {}))

@@ -37,6 +37,10 @@ HEADER_KEY = "tp_key"
 #: The job definition's lease in seconds, when it sets one: the first claim takes it from the
 #: message rather than reading the job in its statement (see ``core/_pg.py``).
 HEADER_LEASE = "tp_lease"
+#: The task id the ledger published the message under. A message whose own id is another
+#: carries the ledger headers of another message: a parent's, forwarded to a child by code
+#: that passes ``self.request.headers`` on (``IdempotentTask`` runs it as a call of its own).
+HEADER_TASK_ID = "tp_task_id"
 
 
 def new_task_id() -> str:
@@ -57,7 +61,7 @@ def message_options(execution: Execution, *, task_id: str, countdown: float | No
     """
     options: dict[str, Any] = {
         "task_id": task_id,
-        "headers": {HEADER_EXECUTION: execution.pk, HEADER_KEY: execution.idempotency_key},
+        "headers": {HEADER_EXECUTION: execution.pk, HEADER_KEY: execution.idempotency_key, HEADER_TASK_ID: task_id},
     }
     task = registered_task(execution.task_name)
     if task is not None and task.ignore_result:
@@ -346,6 +350,7 @@ class _BatchSender:
         headers.update(id=task_id, root_id=root_id, argsrepr=argsrepr, kwargsrepr=kwargsrepr)
         headers[HEADER_EXECUTION] = execution.pk
         headers[HEADER_KEY] = execution.idempotency_key
+        headers[HEADER_TASK_ID] = task_id
         if prototype.lease is not None:
             headers[HEADER_LEASE] = prototype.lease
         properties = dict(properties0)

@@ -13,7 +13,7 @@ from typing import Any
 
 from celery.worker.request import Request
 
-from ..core.publisher import HEADER_EXECUTION, HEADER_KEY
+from ..core.publisher import HEADER_EXECUTION, HEADER_KEY, HEADER_TASK_ID
 from ..observability.logs import remember_task
 
 
@@ -22,7 +22,11 @@ class LedgerRequest(Request):
         super().__init__(*args, **kwargs)
         headers: dict[str, Any] = self._request_dict  # type: ignore[attr-defined]  # Celery's own
         execution_id = headers.get(HEADER_EXECUTION)
-        if isinstance(execution_id, int) and not isinstance(execution_id, bool):
+        if (
+            isinstance(execution_id, int)
+            and not isinstance(execution_id, bool)
+            and headers.get(HEADER_TASK_ID, self.id) == self.id  # not a parent's, forwarded
+        ):
             key = headers.get(HEADER_KEY)
             parent = headers.get("traceparent")  # put there by Celery's OpenTelemetry instrumentation
             trace_id = parent.split("-")[1] if isinstance(parent, str) and parent.count("-") == 3 else None

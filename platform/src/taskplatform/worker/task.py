@@ -35,7 +35,7 @@ from django.utils import timezone
 
 from .. import tracing
 from ..conf import platform_settings
-from ..core.publisher import HEADER_EXECUTION, HEADER_LEASE
+from ..core.publisher import HEADER_EXECUTION, HEADER_LEASE, HEADER_TASK_ID
 from ..core.validation import encode_result, is_idempotent
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP, resolve_error_classes
 from ..exceptions import IdempotencyKeyConflictError, StaleExecutionError, TaskError
@@ -411,6 +411,17 @@ class IdempotentTask(Task):
         carried = parked.attempt if parked is not None else None
         headers = request.headers or {}
         execution_id = headers.get(HEADER_EXECUTION)
+        if execution_id is not None and headers.get(HEADER_TASK_ID, request.id) != request.id:
+            # Another message's ledger headers, forwarded by a parent to this child (of this
+            # task or another): its execution is not this message's, which neither claims it
+            # (with its own arguments, while the parent waits for a retry) nor is absorbed.
+            log.error(
+                "message carries the ledger headers of another message (task id %s; headers forwarded "
+                "from a parent task?): run as a call of its own",
+                headers.get(HEADER_TASK_ID),
+                extra={"execution_id": execution_id, "celery_task_id": request.id},
+            )
+            execution_id = None
         if execution_id is not None:
             delivery = core_types.Delivery(int(execution_id), self.name, list(args), dict(kwargs), worker, request.id)
             claim = ledger.claim_message(
@@ -466,6 +477,15 @@ class IdempotentTask(Task):
         if created is not None:
             return created
         execution = ledger.ensure(spec)
+        if execution.task_name != self.name:
+            # The key (derived from this call's arguments) names an execution of another task:
+            # absorbed by it, this call would silently never run. Refused, loudly: keys are
+            # global, and a derived key should name its task.
+            raise IdempotencyKeyConflictError(
+                f"idempotency key {execution.idempotency_key!r} of this {self.name} call already names "
+                f"execution {execution.pk} of task {execution.task_name!r}; derive keys that name their task",
+                execution_id=execution.pk,
+            )
         return ledger.claim(
             execution,
             worker=worker,
