@@ -720,3 +720,34 @@ def test_a_plain_call_whose_derived_key_names_another_tasks_execution_is_refused
     assert ExecutionEvent.objects.filter(execution_id=other.pk).count() == 0
     assert Effect.objects.count() == 0
     assert not Execution.objects.filter(idempotency_key="call-with-a-clashing-key").exists()
+
+
+def test_a_ledger_message_is_never_published_without_its_task_id() -> None:
+    """Celery would make a task id up for a message sent without one, while its ``tp_task_id``
+    stayed empty: the worker would take it for a forwarded copy and run it as a call of its
+    own, and the row, never claimed, would be published and run again. Refused, whichever way
+    the message is built (review finding; no caller passes one today)."""
+    from taskplatform.core.publisher import publish
+
+    row = ledger.create(ledger.NewExecution("published-without-id", "testapp.effect", [], {}))[0]
+    for countdown in (None, 5):  # a prototype's message, and send_task's
+        with pytest.raises(ValueError, match="needs its task id"):
+            publish(row, task_id="", countdown=countdown)
+
+
+def test_a_task_whose_name_the_ledger_cannot_store_whole_is_refused_when_it_is_bound() -> None:
+    """A database that truncates a long task name (MariaDB outside strict mode) would make
+    every message of the task name a row of another task: refused as the task is bound."""
+    from celery import current_app
+
+    from taskplatform.exceptions import ConfigurationError
+    from taskplatform.tasks import IdempotentTask
+    from taskplatform.worker.task import TASK_NAME_MAX_LENGTH
+
+    assert Execution._meta.get_field("task_name").max_length == TASK_NAME_MAX_LENGTH
+    fits = "testapp." + "n" * (TASK_NAME_MAX_LENGTH - len("testapp."))
+    fitting = type("Fits", (IdempotentTask,), {"name": fits, "__module__": __name__})
+    fitting.bind(current_app)  # not registered: bound only
+    too_long = type("TooLong", (IdempotentTask,), {"name": fits + "x", "__module__": __name__})
+    with pytest.raises(ConfigurationError, match=f"{TASK_NAME_MAX_LENGTH + 1} characters"):
+        too_long.bind(current_app)

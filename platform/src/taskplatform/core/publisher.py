@@ -90,6 +90,14 @@ def message_options(execution: Execution, *, task_id: str, countdown: float | No
 _TASK_CONTROL = (SoftTimeLimitExceeded,)
 
 
+def _require_task_id(task_id: str) -> None:
+    """Refuse a publication without its task id: Celery would make one up, while the message's
+    ``tp_task_id`` stayed empty, so the worker would take it for a forwarded copy and run it as
+    a call of its own, and the row, never claimed, would be published and run again."""
+    if not task_id or not isinstance(task_id, str):
+        raise ValueError(f"a ledger message needs its task id, not {task_id!r}")
+
+
 def publish(execution: Execution, *, task_id: str, countdown: float | None = None) -> bool:
     """Send the message for ``execution`` now; False (logged) if the broker refused it.
 
@@ -101,6 +109,7 @@ def publish(execution: Execution, *, task_id: str, countdown: float | None = Non
     """
     from celery import current_app
 
+    _require_task_id(task_id)
     try:
         prototypes = _shared_prototypes(current_app)
         if prototypes is None:
@@ -268,6 +277,7 @@ class _BatchSender:
         return int(self.app.conf.task_repr_maxlevels)
 
     def send(self, execution: Execution, task_id: str, countdown: float | None) -> None:
+        _require_task_id(task_id)
         prototype = None
         if not countdown:
             # What ``message_options`` reads besides the task id and the execution's own headers.

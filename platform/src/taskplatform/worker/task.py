@@ -38,7 +38,7 @@ from ..conf import platform_settings
 from ..core.publisher import HEADER_EXECUTION, HEADER_LEASE, HEADER_TASK_ID
 from ..core.validation import encode_result, is_idempotent
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP, resolve_error_classes
-from ..exceptions import IdempotencyKeyConflictError, StaleExecutionError, TaskError
+from ..exceptions import ConfigurationError, IdempotencyKeyConflictError, StaleExecutionError, TaskError
 from ..observability.logs import execution_context, remember_task
 from .lazy import lazy_module
 from .owner import owner_alive, worker_identity
@@ -194,6 +194,8 @@ def _parked_for_claim() -> Parked | None:
     return success_recorder().take()
 
 
+#: The longest task name the ledger stores (``Execution.task_name``; a test keeps them equal).
+TASK_NAME_MAX_LENGTH = 200
 #: The longest lease a message may ask for (``HEADER_LEASE``): a week.
 MAX_HEADER_LEASE_SECONDS = 7 * 24 * 3600
 
@@ -254,6 +256,18 @@ class IdempotentTask(Task):
     acks_late = True
     reject_on_worker_lost = True
     ignore_result = True  # the ledger stores results; a result backend is optional
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Refuse a task whose name the ledger cannot store whole (``Execution.task_name``):
+        a database that truncates it (MariaDB outside strict mode) would make every message
+        of the task name a row of another task."""
+        super().on_bound(app)
+        name = cls.name
+        if isinstance(name, str) and len(name) > TASK_NAME_MAX_LENGTH:
+            raise ConfigurationError(
+                f"task name {name[:60]!r}… is {len(name)} characters; the ledger stores at most {TASK_NAME_MAX_LENGTH}"
+            )
 
     # --- what the body sees -----------------------------------------------------------
 
@@ -415,11 +429,13 @@ class IdempotentTask(Task):
             # Another message's ledger headers, forwarded by a parent to this child (of this
             # task or another): its execution is not this message's, which neither claims it
             # (with its own arguments, while the parent waits for a retry) nor is absorbed.
+            # Not logged under ``execution_id``: the execution named is the parent's, which is fine.
             log.error(
-                "message carries the ledger headers of another message (task id %s; headers forwarded "
-                "from a parent task?): run as a call of its own",
+                "message carries the ledger headers of another message (execution %s, task id %s; headers "
+                "forwarded from a parent task?): run as a call of its own",
+                execution_id,
                 headers.get(HEADER_TASK_ID),
-                extra={"execution_id": execution_id, "celery_task_id": request.id},
+                extra={"forwarded_execution_id": execution_id, "celery_task_id": request.id},
             )
             execution_id = None
         if execution_id is not None:
@@ -441,10 +457,11 @@ class IdempotentTask(Task):
             if claim is None or claim.outcome != "foreign":
                 return claim
             log.error(
-                "message carries the ledger headers of an execution of another task (%s; headers forwarded "
+                "message carries the ledger headers of execution %s of another task (%s; headers forwarded "
                 "from a parent task?): run as a call of its own",
+                execution_id,
                 claim.execution.task_name,
-                extra={"execution_id": execution_id, "celery_task_id": request.id},
+                extra={"forwarded_execution_id": execution_id, "celery_task_id": request.id},
             )
             carried = None  # the claim's statement carried it, or the recorder writes it (``settle``)
         key = self.derive_idempotency_key(*args, **kwargs)
