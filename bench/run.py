@@ -461,7 +461,9 @@ def run_variant(variant: str, n: int, body: str = "noop") -> dict[str, Any]:
         # Between the broker's pop and the task's first write the queue looks drained with
         # nothing written yet: a reset then left the warm-up's row to be counted (4001/4000).
         deadline = time.monotonic() + 60
-        while re.search(r"(?<!\d)0/1 ", verify(variant, body, 1)) and time.monotonic() < deadline:
+        while re.search(r"(?<!\d)0/1 ", verify(variant, body, 1)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the warm-up task of {variant} left no trace: {verify(variant, body, 1)}")
             time.sleep(0.01)
         reset_state()
         tx_before = pg_transactions()

@@ -727,12 +727,14 @@ def test_a_ledger_message_is_never_published_without_its_task_id() -> None:
     stayed empty: the worker would take it for a forwarded copy and run it as a call of its
     own, and the row, never claimed, would be published and run again. Refused, whichever way
     the message is built (review finding; no caller passes one today)."""
-    from taskplatform.core.publisher import publish
+    from taskplatform.core.publisher import publish, publish_many
 
     row = ledger.create(ledger.NewExecution("published-without-id", "testapp.effect", [], {}))[0]
-    for countdown in (None, 5):  # a prototype's message, and send_task's
-        with pytest.raises(ValueError, match="needs its task id"):
-            publish(row, task_id="", countdown=countdown)
+    with pytest.raises(ValueError, match="needs its task id"):
+        publish(row, task_id="")
+    # A batch's message is refused too; the batch fails as a publication (logged), and its
+    # rows stay due for the rescuer.
+    assert publish_many([(row, "", None)]) is False
 
 
 def test_a_task_whose_name_the_ledger_cannot_store_whole_is_refused_when_it_is_bound() -> None:

@@ -100,6 +100,8 @@ def _require_task_id(task_id: str) -> None:
 
 def publish(execution: Execution, *, task_id: str, countdown: float | None = None) -> bool:
     """Send the message for ``execution`` now; False (logged) if the broker refused it.
+    ``ValueError`` without a task id (``_require_task_id``): a caller's bug, not a publication
+    that failed.
 
     The message is Celery's, built the way ``publish_many`` builds its messages: from a
     prototype per message shape that this thread keeps between calls (``_shared_prototypes``),
@@ -194,7 +196,8 @@ def _shared_prototypes(app: Any) -> dict[tuple[Any, ...], _Prototype | None] | N
 def publish_on_commit(execution: Execution, *, task_id: str, countdown: float | None, robust: bool = True) -> None:
     """Publish once the current transaction commits (at once outside a transaction).
 
-    ``publish`` logs every failure but the running task's soft time limit (``_TASK_CONTROL``).
+    ``publish`` logs every failure but the running task's soft time limit (``_TASK_CONTROL``)
+    and a missing task id (``_require_task_id``).
     ``robust=False``, for a ``submit()`` from the caller's code, lets that limit reach the
     code whose commit ran the publication (Django's robust hooks would log it and go on); the
     ledger's own publications (retries, waits) keep Django's robust hooks.
