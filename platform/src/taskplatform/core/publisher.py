@@ -43,6 +43,13 @@ HEADER_LEASE = "tp_lease"
 HEADER_TASK_ID = "tp_task_id"
 
 
+def forwarded(headers: dict[str, Any], task_id: str | None) -> bool:
+    """Whether ``headers``, a received message's, carry another message's ledger headers (its
+    ``tp_task_id`` is not the message's own id). A message of a publisher older than the
+    header is taken for its own."""
+    return headers.get(HEADER_TASK_ID, task_id) != task_id
+
+
 def new_task_id() -> str:
     """A fresh Celery task id for one publication."""
     return str(uuid.uuid4())

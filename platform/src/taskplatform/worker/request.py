@@ -13,7 +13,7 @@ from typing import Any
 
 from celery.worker.request import Request
 
-from ..core.publisher import HEADER_EXECUTION, HEADER_KEY, HEADER_TASK_ID
+from ..core.publisher import HEADER_EXECUTION, HEADER_KEY, forwarded
 from ..observability.logs import remember_task
 
 
@@ -25,7 +25,7 @@ class LedgerRequest(Request):
         if (
             isinstance(execution_id, int)
             and not isinstance(execution_id, bool)
-            and headers.get(HEADER_TASK_ID, self.id) == self.id  # not a parent's, forwarded
+            and not forwarded(headers, self.id)  # not a parent's, passed on to a child
         ):
             key = headers.get(HEADER_KEY)
             parent = headers.get("traceparent")  # put there by Celery's OpenTelemetry instrumentation

@@ -35,7 +35,7 @@ from django.utils import timezone
 
 from .. import tracing
 from ..conf import platform_settings
-from ..core.publisher import HEADER_EXECUTION, HEADER_LEASE, HEADER_TASK_ID
+from ..core.publisher import HEADER_EXECUTION, HEADER_LEASE, forwarded
 from ..core.validation import encode_result, is_idempotent
 from ..domain.policies import UNBOUNDED_ATTEMPTS_CAP, resolve_error_classes
 from ..exceptions import ConfigurationError, IdempotencyKeyConflictError, StaleExecutionError, TaskError
@@ -192,6 +192,19 @@ def _parked_for_claim() -> Parked | None:
     if connection.in_atomic_block or not connection.get_autocommit() or not ledger.carries_successes():
         return None
     return success_recorder().take()
+
+
+def _log_forwarded(execution_id: Any, task_id: str, whose: str) -> None:
+    """The ERROR of a message run as a call of its own because its ledger headers name an
+    execution that is not its (``whose``): under ``forwarded_execution_id``, not
+    ``execution_id``, so the parent's execution is not the one the line is filed under."""
+    log.error(
+        "message carries the ledger headers of execution %s, %s (headers forwarded from a parent task?): "
+        "run as a call of its own",
+        execution_id,
+        whose,
+        extra={"forwarded_execution_id": execution_id, "celery_task_id": task_id},
+    )
 
 
 #: The longest task name the ledger stores (``Execution.task_name``; a test keeps them equal).
@@ -425,18 +438,11 @@ class IdempotentTask(Task):
         carried = parked.attempt if parked is not None else None
         headers = request.headers or {}
         execution_id = headers.get(HEADER_EXECUTION)
-        if execution_id is not None and headers.get(HEADER_TASK_ID, request.id) != request.id:
+        if execution_id is not None and forwarded(headers, request.id):
             # Another message's ledger headers, forwarded by a parent to this child (of this
             # task or another): its execution is not this message's, which neither claims it
             # (with its own arguments, while the parent waits for a retry) nor is absorbed.
-            # Not logged under ``execution_id``: the execution named is the parent's, which is fine.
-            log.error(
-                "message carries the ledger headers of another message (execution %s, task id %s; headers "
-                "forwarded from a parent task?): run as a call of its own",
-                execution_id,
-                headers.get(HEADER_TASK_ID),
-                extra={"forwarded_execution_id": execution_id, "celery_task_id": request.id},
-            )
+            _log_forwarded(execution_id, request.id, "of another message")
             execution_id = None
         if execution_id is not None:
             delivery = core_types.Delivery(int(execution_id), self.name, list(args), dict(kwargs), worker, request.id)
@@ -456,13 +462,7 @@ class IdempotentTask(Task):
                 )
             if claim is None or claim.outcome != "foreign":
                 return claim
-            log.error(
-                "message carries the ledger headers of execution %s of another task (%s; headers forwarded "
-                "from a parent task?): run as a call of its own",
-                execution_id,
-                claim.execution.task_name,
-                extra={"forwarded_execution_id": execution_id, "celery_task_id": request.id},
-            )
+            _log_forwarded(execution_id, request.id, f"of task {claim.execution.task_name}")
             carried = None  # the claim's statement carried it, or the recorder writes it (``settle``)
         key = self.derive_idempotency_key(*args, **kwargs)
         if not key:
